@@ -1,0 +1,24 @@
+"""lightning_trn: PyTorch Lightning on AWS Trainium (Neuron).
+
+`import lightning_trn` registers `accelerator="neuron"` and the Neuron strategies with Lightning.
+torch_xla is only imported when a Neuron/XLA feature is used, so checkpoints load on machines without it.
+"""
+
+from lightning_trn._registration import register
+from lightning_trn.accelerator import NeuronAccelerator
+from lightning_trn.plugins import NeuronCheckpointIO, NeuronPrecision
+from lightning_trn.runtime import NeuronUnavailableError
+from lightning_trn.strategies import SingleDeviceNeuronStrategy
+
+__version__ = "0.1.0.dev0"
+
+register()
+
+__all__ = [
+    "NeuronAccelerator",
+    "NeuronCheckpointIO",
+    "NeuronPrecision",
+    "NeuronUnavailableError",
+    "SingleDeviceNeuronStrategy",
+    "__version__",
+]

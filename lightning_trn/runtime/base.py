@@ -1,0 +1,91 @@
+"""The device-runtime interface: what the accelerator, strategies, precision plugin and callbacks may ask of it.
+
+`XlaRuntime` implements it with torch_xla (Trainium through torch-neuronx, or XLA:CPU). A second backend, such as
+AWS's native PyTorch "neuron" device, implements the same methods and is picked in `lightning_trn.runtime.get_runtime`
+without changes to the strategies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_trn.runtime.discovery import Platform
+
+
+@dataclass(frozen=True)
+class RuntimeMetrics:
+    """Cumulative counters of what the runtime did: graph compiles, executions, transfers and CPU fallbacks."""
+
+    compiles: int = 0
+    executions: int = 0
+    device_to_host: int = 0
+    host_to_device: int = 0
+    #: `.item()`-style reads of a device scalar: each one blocks the host on the device.
+    scalar_reads: int = 0
+    #: ops the runtime could not lower and ran on the host instead, by name (`aten::nonzero` ...).
+    cpu_fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def __sub__(self, other: RuntimeMetrics) -> RuntimeMetrics:
+        names = set(self.cpu_fallbacks) | set(other.cpu_fallbacks)
+        fallbacks = {n: self.cpu_fallbacks.get(n, 0) - other.cpu_fallbacks.get(n, 0) for n in names}
+        return RuntimeMetrics(
+            compiles=self.compiles - other.compiles,
+            executions=self.executions - other.executions,
+            device_to_host=self.device_to_host - other.device_to_host,
+            host_to_device=self.host_to_device - other.host_to_device,
+            scalar_reads=self.scalar_reads - other.scalar_reads,
+            cpu_fallbacks={n: v for n, v in fallbacks.items() if v},
+        )
+
+
+class DeviceRuntime(ABC):
+    """One device backend. Methods are called on every rank; none may block unless its docstring says so."""
+
+    #: short name, e.g. "xla"
+    name: str = ""
+
+    @abstractmethod
+    def is_installed(self) -> bool:
+        """Whether the backend's Python package can be imported."""
+
+    @abstractmethod
+    def detect_platform(self) -> Platform:
+        """The platform this process will use; raises `NeuronUnavailableError` with the fix if there is none."""
+
+    @abstractmethod
+    def device(self) -> torch.device:
+        """This process's device (one device per process)."""
+
+    @abstractmethod
+    def sync(self, wait: bool = False) -> None:
+        """Cut the pending lazy graph and launch it (a no-op for eager backends)."""
+
+    @abstractmethod
+    def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
+        """Wrap `dataloader` so batches arrive on `device`, loaded in the background."""
+
+    @abstractmethod
+    def memory_stats(self, device: torch.device) -> dict[str, Any]:
+        """Device memory figures the runtime offers (empty if it offers none)."""
+
+    @abstractmethod
+    def metrics(self) -> RuntimeMetrics:
+        """Cumulative compile / execution / transfer / fallback counters for this process."""
+
+    @abstractmethod
+    def autocast(self, dtype: torch.dtype) -> AbstractContextManager:
+        """Autocast context for this device type."""
+
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of processes the runtime's own collectives span."""
+
+    @abstractmethod
+    def supports_cross_process_collectives(self) -> bool:
+        """Whether the runtime's collectives really span processes (False on XLA:CPU, see PLATFORM.md)."""

@@ -1,0 +1,105 @@
+"""`NeuronStrategyMixin`: what every Neuron strategy does the same way, single-device or data-parallel."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
+from torch.optim import Optimizer
+
+from lightning_trn.plugins.io import NeuronCheckpointIO
+from lightning_trn.plugins.precision import NeuronPrecision
+from lightning_trn.runtime import DeviceRuntime, get_runtime
+from lightning_trn.strategies.device_loader import DevicePrefetchLoader
+
+
+class NeuronStrategyMixin:
+    """Mixed into a Lightning strategy: device placement, prefetching, one graph cut per optimizer step, portable
+    checkpoints. Strategies override `reduce_gradients` to all-reduce between backward and the optimizer update."""
+
+    _checkpoint_io: Optional[CheckpointIO]
+    _precision_plugin: Optional[Precision]
+
+    @property
+    def runtime(self) -> DeviceRuntime:
+        """The device runtime every device call goes through."""
+        return get_runtime()
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = NeuronCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = NeuronPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = plugin
+
+    def _check_accelerator(self) -> None:
+        from lightning_trn.accelerator import NeuronAccelerator
+
+        accelerator = getattr(self, "accelerator", None)
+        if not isinstance(accelerator, NeuronAccelerator):
+            raise ValueError(
+                f"{type(self).__name__} runs on NeuronCores or XLA:CPU only: use it with "
+                f"`Trainer(accelerator='neuron')`, found accelerator {type(accelerator).__name__}."
+            )
+
+    def model_to_device(self) -> None:
+        """Move the model to the device, keeping tied weights tied (moving to XLA would untie them)."""
+        model = self.model  # type: ignore[attr-defined]
+        shared = find_shared_parameters(model)
+        model.to(self.root_device)  # type: ignore[attr-defined]
+        set_shared_parameters(model, shared)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Batches are copied to the device in the background while the previous step runs."""
+        if isinstance(dataloader, DevicePrefetchLoader):
+            return dataloader
+        return DevicePrefetchLoader(dataloader, self.root_device, self.runtime)  # type: ignore[attr-defined]
+
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        """Hook between backward and the optimizer update; single-device strategies have nothing to reduce."""
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run forward/backward, reduce gradients, update, then cut the graph once so the step compiles as one."""
+
+        def closure_and_reduce() -> Any:
+            result = closure()
+            self.reduce_gradients(optimizer)
+            return result
+
+        output = super().optimizer_step(optimizer, closure_and_reduce, model, **kwargs)  # type: ignore[misc]
+        self.runtime.sync()
+        return output
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Materialise pending device work first, so the tensors copied to the host are the current ones."""
+        self.runtime.sync()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._check_accelerator()
+        super().setup(trainer)  # type: ignore[misc]
