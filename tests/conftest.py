@@ -1,5 +1,47 @@
 """Test configuration: everything runs on XLA:CPU (`PJRT_DEVICE=CPU`), as the README's test command does."""
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_platform_detection():
+    """Platform detection is cached per runtime object; give every test its own so faked hosts don't leak."""
+    from lightning_trn.runtime import get_runtime
+
+    get_runtime.cache_clear()
+    yield
+    get_runtime.cache_clear()
+
+
+@pytest.fixture
+def fake_neuron_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A host that looks like a Neuron instance at the discovery boundary: sysfs devices with `core_count` files.
+
+    Call the returned function with the cores per device, e.g. `fake_neuron_host([2, 2])` for two devices.
+    """
+    from lightning_trn.runtime import discovery
+
+    def make(cores_per_device: list) -> Path:
+        root = tmp_path / "neuron_device"
+        for i, cores in enumerate(cores_per_device):
+            (root / f"neuron{i}").mkdir(parents=True)
+            (root / f"neuron{i}" / "core_count").write_text(f"{cores}\n")
+        monkeypatch.setattr(discovery, "NEURON_SYSFS_ROOT", str(root))
+        monkeypatch.setattr(discovery, "NEURON_DEV_GLOB", str(tmp_path / "dev" / "neuron[0-9]*"))
+        monkeypatch.delenv("PJRT_DEVICE", raising=False)
+        for var in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES"):
+            monkeypatch.delenv(var, raising=False)
+        return root
+
+    return make
+
+
+@pytest.fixture
+def no_neuron_host(fake_neuron_host):
+    """A host with torch_xla installed but no Neuron devices and no `PJRT_DEVICE`."""
+    return fake_neuron_host([])

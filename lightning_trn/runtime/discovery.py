@@ -62,10 +62,10 @@ def parse_core_range(spec: str) -> list[int]:
     return sorted(set(cores))
 
 
-def physical_core_count(sysfs_root: str = NEURON_SYSFS_ROOT, dev_glob: str = NEURON_DEV_GLOB) -> int:
+def physical_core_count() -> int:
     """NeuronCores on this host: the sum of each device's sysfs `core_count`, else devices x 2."""
     total = 0
-    for device_dir in sorted(glob.glob(os.path.join(sysfs_root, "neuron[0-9]*"))):
+    for device_dir in sorted(glob.glob(os.path.join(NEURON_SYSFS_ROOT, "neuron[0-9]*"))):
         try:
             with open(os.path.join(device_dir, "core_count")) as f:
                 total += int(f.read().strip())
@@ -73,27 +73,23 @@ def physical_core_count(sysfs_root: str = NEURON_SYSFS_ROOT, dev_glob: str = NEU
             total += DEFAULT_CORES_PER_DEVICE
     if total:
         return total
-    return len(glob.glob(dev_glob)) * DEFAULT_CORES_PER_DEVICE
+    return len(glob.glob(NEURON_DEV_GLOB)) * DEFAULT_CORES_PER_DEVICE
 
 
-def visible_core_count(
-    env: Optional[dict[str, str]] = None, sysfs_root: str = NEURON_SYSFS_ROOT, dev_glob: str = NEURON_DEV_GLOB
-) -> tuple[int, str]:
+def visible_core_count(env: Optional[dict[str, str]] = None) -> tuple[int, str]:
     """NeuronCores this job may use, honouring `NEURON_RT_VISIBLE_CORES` then `NEURON_RT_NUM_CORES`."""
     env = os.environ if env is None else env
-    physical = physical_core_count(sysfs_root, dev_glob)
+    physical = physical_core_count()
     visible = env.get("NEURON_RT_VISIBLE_CORES", "").strip()
     if visible and physical:
         return len(parse_core_range(visible)), f"NEURON_RT_VISIBLE_CORES={visible}"
     num = env.get("NEURON_RT_NUM_CORES", "").strip()
     if num and num != "0" and physical:
         return min(int(num), physical), f"NEURON_RT_NUM_CORES={num}"
-    return physical, f"{physical} NeuronCores found under {sysfs_root} / {dev_glob}"
+    return physical, f"{physical} NeuronCores found under {NEURON_SYSFS_ROOT}"
 
 
-def detect_platform(
-    env: Optional[dict[str, str]] = None, sysfs_root: str = NEURON_SYSFS_ROOT, dev_glob: str = NEURON_DEV_GLOB
-) -> Platform:
+def detect_platform(env: Optional[dict[str, str]] = None) -> Platform:
     """Decide the platform: real NeuronCores, or XLA:CPU when the user asked for it with `PJRT_DEVICE=CPU`.
 
     Raises:
@@ -116,11 +112,12 @@ def detect_platform(
             "another XLA platform. Unset PJRT_DEVICE on a Neuron host, set PJRT_DEVICE=CPU to run on XLA:CPU, or use "
             "Lightning's own `accelerator='tpu'` for TPUs."
         )
-    cores, reason = visible_core_count(env, sysfs_root, dev_glob)
+    cores, reason = visible_core_count(env)
     if cores:
         return Platform(NEURON, cores, reason)
     raise NeuronUnavailableError(
-        f"`accelerator='neuron'` found no NeuronCores: looked for Neuron devices under {sysfs_root} and {dev_glob} "
+        f"`accelerator='neuron'` found no NeuronCores: looked for Neuron devices under "
+        f"{NEURON_SYSFS_ROOT} and {NEURON_DEV_GLOB} "
         "(is this a trn1/trn2/inf2 instance with the Neuron driver loaded?). To run the same code on this machine's "
         "CPU through XLA, set the environment variable PJRT_DEVICE=CPU (e.g. `PJRT_DEVICE=CPU python train.py`)."
     )

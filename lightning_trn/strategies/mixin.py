@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
@@ -100,6 +99,6 @@ class NeuronStrategyMixin:
         self.runtime.sync()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup_environment(self) -> None:
         self._check_accelerator()
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup_environment()  # type: ignore[misc]
