@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
@@ -85,3 +86,20 @@ def test_without_torch_xla_import_works_and_neuron_fails_clearly(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     assert "needs torch_xla, which is not installed" in result.stdout
     assert "torch-neuronx" in result.stdout
+
+
+def test_xla_cpu_is_announced_once(caplog):
+    with caplog.at_level("WARNING", logger="lightning_trn"):
+        Trainer(accelerator="neuron", logger=False)
+        Trainer(accelerator="neuron", logger=False)
+    announcements = [r for r in caplog.records if "no NeuronCores found; running on XLA:CPU" in r.getMessage()]
+    assert len(announcements) == 1
+
+
+def test_device_stats_come_from_the_runtime(monkeypatch):
+    import torch_xla.core.xla_model as xm
+
+    device = torch.device("xla", 0)
+    assert NeuronAccelerator().get_device_stats(device) == {}  # XLA:CPU offers no allocator stats
+    monkeypatch.setattr(xm, "get_memory_info", lambda d: {"bytes_used": 1024, "bytes_limit": 4096})
+    assert NeuronAccelerator().get_device_stats(device) == {"bytes_used": 1024, "bytes_limit": 4096}
