@@ -6,17 +6,22 @@ torch_xla is only imported when a Neuron/XLA feature is used, so checkpoints loa
 
 from lightning_trn._registration import register
 from lightning_trn.accelerator import NeuronAccelerator
+from lightning_trn.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags
 from lightning_trn.plugins import NeuronCheckpointIO, NeuronPrecision
 from lightning_trn.runtime import NeuronUnavailableError
-from lightning_trn.strategies import SingleDeviceNeuronStrategy
+from lightning_trn.strategies import NeuronDDPStrategy, SingleDeviceNeuronStrategy
 
 __version__ = "0.1.0.dev0"
 
 register()
 
 __all__ = [
+    "CompileMonitor",
     "NeuronAccelerator",
     "NeuronCheckpointIO",
+    "NeuronCompileCache",
+    "NeuronCompilerFlags",
+    "NeuronDDPStrategy",
     "NeuronPrecision",
     "NeuronUnavailableError",
     "SingleDeviceNeuronStrategy",

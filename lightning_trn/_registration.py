@@ -18,9 +18,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from packaging.version import Version
 
+from lightning_trn._deferred_metrics import install_deferred_metrics_hook
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.plugins.precision import NeuronPrecision
-from lightning_trn.strategies import NeuronStrategyMixin, SingleDeviceNeuronStrategy
+from lightning_trn.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
 
 #: Lightning versions whose `_AcceleratorConnector` internals the hooks were written and tested against.
 TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
@@ -86,4 +87,7 @@ def register() -> None:
         NeuronAccelerator.register_accelerators(AcceleratorRegistry)
     if SingleDeviceNeuronStrategy.strategy_name not in StrategyRegistry:
         SingleDeviceNeuronStrategy.register_strategies(StrategyRegistry)
-    _install_connector_hooks()
+    if NeuronDDPStrategy.strategy_name not in StrategyRegistry:
+        NeuronDDPStrategy.register_strategies(StrategyRegistry)
+    if _install_connector_hooks():
+        install_deferred_metrics_hook()

@@ -8,7 +8,7 @@ from lightning.pytorch import Callback, Trainer
 
 from lightning_trn.runtime import get_runtime
 from lightning_trn.strategies.device_loader import DevicePrefetchLoader
-from models import RegressionModel
+from models import RegressionModel, regression_loader
 from xla_free_python import run_without_torch_xla
 
 STEPS_PER_EPOCH = 32  # 512 samples / batch 16
@@ -108,3 +108,32 @@ def test_checkpoint_is_portable_and_resumes_on_cpu_without_torch_xla(tmp_path):
     assert torch.allclose(torch.tensor(eval(weights.split(" ", 1)[1])), saved_weight.flatten())
     assert f"START_STEP {2 * STEPS_PER_EPOCH} cpu" in result.stdout
     assert f"RESUMED_STEP {2 * STEPS_PER_EPOCH + 10}" in result.stdout
+
+
+class EvaluatedModel(RegressionModel):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+    test_step = validation_step
+
+    def predict_step(self, batch, batch_idx):
+        return self.layer(batch[0])
+
+    def val_dataloader(self):
+        return regression_loader(64, shuffle=False)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+
+def test_validate_test_predict_work_with_lightnings_default_inference_mode(tmp_path):
+    trainer = Trainer(accelerator="neuron", max_steps=4, val_check_interval=2, default_root_dir=tmp_path,
+                      enable_progress_bar=False)
+    assert trainer.validate_loop.inference_mode  # the Trainer default, which XLA tensors cannot run under
+    model = EvaluatedModel()
+    trainer.fit(model)
+    assert trainer.callback_metrics["val_loss"] > 0
+    assert trainer.validate(model, verbose=False)[0]["val_loss"] > 0
+    assert trainer.test(model, verbose=False)[0]["val_loss"] > 0
+    predictions = trainer.predict(model)
+    assert predictions[0].shape == (16, 1)

@@ -1,19 +1,231 @@
-"""`NeuronPrecision`: the precision plugin used by the Neuron strategies."""
+"""`NeuronPrecision`: the precision plugin used by the Neuron strategies ("32-true", "bf16-mixed", "bf16-true").
+
+The Neuron compiler and runtime take their precision settings from environment variables read when they start, so
+the plugin sets them when it is constructed (inside `Trainer(...)`, before the runtime starts), never overriding a
+value the user set, and restores them on teardown. It only touches them on a Neuron platform: on XLA:CPU they mean
+nothing, and stochastic rounding is done in software instead (see `stochastic_rounding.py`). See docs/precision.md.
+"""
 
 from __future__ import annotations
 
-from lightning.pytorch.plugins.precision import Precision
+import os
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Callable, Optional
 
-SUPPORTED_PRECISION = ("32-true",)
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_trn.plugins.stochastic_rounding import Bf16OptimizerStep
+from lightning_trn.runtime import NeuronUnavailableError, get_runtime
+from lightning_trn.runtime.discovery import NEURON
+from lightning_trn.runtime.environment import (
+    NEURON_CC_FLAGS,
+    EnvironmentPatch,
+    cc_flag_value,
+    format_cc_flags,
+    parse_cc_flags,
+)
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+#: Neuron runtime switches for stochastic rounding of bf16 results (read once, when the runtime starts)
+STOCHASTIC_ROUNDING_EN = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
+STOCHASTIC_ROUNDING_SEED = "NEURON_RT_STOCHASTIC_ROUNDING_SEED"
+#: deprecated torch_xla switches that silently store fp32 tensors as bf16 and override per-op precision
+DEPRECATED_BF16_VARIABLES = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
+_AUTO_CAST = "--auto-cast"
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """Tensors created inside get `dtype` by default (modules built under `Trainer.init_module()`, `torch.zeros`)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _to_bf16(tensor: Tensor) -> Tensor:
+    return tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+
+
+def _on_neuron() -> bool:
+    try:
+        return get_runtime().detect_platform().kind == NEURON
+    except NeuronUnavailableError:
+        return False
 
 
 class NeuronPrecision(Precision):
-    """Precision for NeuronCores and XLA:CPU."""
+    """Precision for NeuronCores and XLA:CPU.
 
-    def __init__(self, precision: str = "32-true") -> None:
+    Args:
+        precision: "32-true" (fp32 everywhere), "bf16-mixed" (fp32 parameters and optimizer state, forward and
+            loss under `torch.autocast("xla", torch.bfloat16)`) or "bf16-true" (module, inputs, gradients and
+            optimizer state in bf16, updates rounded stochastically).
+        master_weights: bf16-true only: keep fp32 copies of the parameters that the optimizer updates (its state is
+            then fp32 too); the bf16 parameters are refreshed from them after every step.
+        stochastic_rounding: bf16-true only: round bf16 updates stochastically (on Neuron through
+            `NEURON_RT_STOCHASTIC_ROUNDING_EN=1`, elsewhere in software). Turn off for round-to-nearest.
+        seed: seed of the Neuron runtime's rounding (`NEURON_RT_STOCHASTIC_ROUNDING_SEED`); defaults to the seed of
+            `seed_everything` if one was set, else 0.
+    """
+
+    def __init__(
+        self,
+        precision: str = "32-true",
+        *,
+        master_weights: bool = False,
+        stochastic_rounding: bool = True,
+        seed: Optional[int] = None,
+    ) -> None:
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
                 f"`Trainer(accelerator='neuron', precision={precision!r})` is not supported. "
                 f"Choose one of: {', '.join(SUPPORTED_PRECISION)}."
             )
+        if master_weights and precision != "bf16-true":
+            raise ValueError(f"`master_weights=True` applies to precision='bf16-true' only, got {precision!r}.")
         self.precision = precision
+        self.master_weights = master_weights
+        self.stochastic_rounding = stochastic_rounding and precision == "bf16-true"
+        self.seed = seed
+        self._on_neuron = _on_neuron()
+        self._environment = EnvironmentPatch()
+        self._environment_applied = False
+        self._configure_environment()
+        # on Neuron the runtime rounds (or not, if the user set NEURON_RT_STOCHASTIC_ROUNDING_EN=0: the user wins)
+        software_rounding = self.stochastic_rounding and not self._on_neuron
+        self._bf16_step = Bf16OptimizerStep(master_weights) if master_weights or software_rounding else None
+        #: the parameters as the optimizers hold them (Lightning's teardown moves the model to the CPU as new objects)
+        self._named_parameters: list[tuple[str, Tensor]] = []
+
+    @property
+    def software_optimizer_step(self) -> Optional[Bf16OptimizerStep]:
+        """The fp32 optimizer step used for bf16 parameters (software rounding or master weights), if any."""
+        return self._bf16_step
+
+    def _configure_environment(self) -> None:
+        """Set the Neuron variables this precision needs (on a Neuron platform only) and warn about conflicts."""
+        self._environment_applied = True
+        for name in DEPRECATED_BF16_VARIABLES:
+            if os.environ.get(name, "0") not in ("", "0"):
+                rank_zero_warn(
+                    f"{name}={os.environ[name]!r} is set: it is deprecated and stores fp32 tensors as bf16, overriding "
+                    f"precision={self.precision!r}. Unset it; `precision='bf16-true'` or 'bf16-mixed' replace it."
+                )
+        if not self._on_neuron:
+            return
+        self._disable_compiler_auto_cast()
+        if self.stochastic_rounding:
+            self._set_default(STOCHASTIC_ROUNDING_EN, "1")
+            seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+            self._environment.set_default(STOCHASTIC_ROUNDING_SEED, str(seed))
+
+    def _disable_compiler_auto_cast(self) -> None:
+        """The plugin decides the dtypes: ask the compiler not to cast fp32 ops to bf16 on its own (`--auto-cast=none`;
+        with autocast on top this would cast twice, in 32-true it would not be fp32)."""
+        flags = os.environ.get(NEURON_CC_FLAGS, "")
+        user_value = cc_flag_value(flags, _AUTO_CAST)
+        if user_value is None:
+            self._environment.set(NEURON_CC_FLAGS, format_cc_flags([*parse_cc_flags(flags), (_AUTO_CAST, "none")]))
+        elif user_value != "none" and self.precision != "bf16-true":
+            rank_zero_warn(
+                f"{NEURON_CC_FLAGS} contains `{_AUTO_CAST}={user_value}`, kept as set: with "
+                f"precision={self.precision!r} the compiler will additionally cast fp32 operations. Use "
+                f"`{_AUTO_CAST}=none` to let the precision plugin alone decide the dtypes."
+            )
+
+    def _set_default(self, name: str, value: str) -> None:
+        if not self._environment.set_default(name, value):
+            rank_zero_warn(
+                f"{name}={os.environ[name]!r} is set in the environment and kept, but precision={self.precision!r} "
+                f"would set {name}={value}. Unset it to get the precision's default behaviour."
+            )
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        return module.to(dtype=torch.bfloat16) if self.precision == "bf16-true" else module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        return apply_to_collection(data, dtype=Tensor, function=_to_bf16)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _default_dtype(torch.bfloat16) if self.precision == "bf16-true" else nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        if self.precision == "bf16-mixed":
+            return get_runtime().autocast(torch.bfloat16)
+        return self.tensor_init_context()
+
+    @override
+    def connect(
+        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[Module, list[Optimizer], list[Any]]:
+        """Remember the parameters by name (master weights are saved by name); re-apply the environment after an
+        earlier run's teardown restored it."""
+        self._named_parameters = list(model.named_parameters())
+        if not self._environment_applied:
+            self._configure_environment()
+        return model, optimizers, lr_schedulers
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """bf16-true without hardware rounding (or with master weights): backward and the gradient hooks/clipping
+        run as usual in bf16, then the update runs in fp32 through `Bf16OptimizerStep`."""
+        if self._bf16_step is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise MisconfigurationException(
+                "LBFGS re-evaluates its closure inside `step()`, which the fp32 update of precision='bf16-true' "
+                "(software stochastic rounding / master weights) does not support. Use another optimizer."
+            )
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # `training_step` returned None: backward and the update are skipped
+        self._bf16_step.step(optimizer, **kwargs)
+        return closure_result
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if not self.master_weights or self._bf16_step is None:
+            return {}
+        return {"master_weights": self._bf16_step.master_state_dict(self._named_parameters)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._bf16_step is not None and "master_weights" in state_dict:
+            self._bf16_step.load_master_state_dict(self._named_parameters, state_dict["master_weights"])
+
+    @override
+    def teardown(self) -> None:
+        """Put back every environment variable the plugin changed."""
+        self._environment.restore()
+        self._environment_applied = False

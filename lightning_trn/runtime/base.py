@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from lightning_trn.runtime.collectives import Collectives
 from lightning_trn.runtime.discovery import Platform
+from lightning_trn.runtime.environment import EnvironmentPatch
 
 
 @dataclass(frozen=True)
@@ -89,3 +91,31 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def supports_cross_process_collectives(self) -> bool:
         """Whether the runtime's collectives really span processes (False on XLA:CPU, see PLATFORM.md)."""
+
+    def enable_compile_cache(self, path: str) -> bool:
+        """Point the backend's persistent compile cache at local directory `path` for the rest of this process.
+
+        Returns False, changing nothing, when this process already compiled and the cache can no longer be set
+        (or the backend has no persistent compile cache).
+        """
+        return False
+
+    def compile_cache_counters(self) -> dict[str, int]:
+        """Persistent compile-cache lookups in this process: `hits`, `misses`, `unloadable` (found but not usable)."""
+        return {}
+
+    def configure_process(
+        self, *, global_rank: int, local_rank: int, world_size: int, local_world_size: int, main_address: str,
+        env: EnvironmentPatch,
+    ) -> None:
+        """Set this worker's device environment for a data-parallel job; call before the device is first used."""
+
+    def process_group_backend(self) -> str:
+        """The `torch.distributed` backend for the default process group of a data-parallel job."""
+        return "gloo"
+
+    def collectives(self, world_size: int, group: Any = None) -> Collectives:
+        """Cross-process collectives for a job of `world_size` processes (`group`: the host process group)."""
+        from lightning_trn.runtime.host_collectives import HostCollectives
+
+        return HostCollectives(world_size, group)

@@ -15,6 +15,8 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 NEURON_CC_FLAGS = "NEURON_CC_FLAGS"
+#: the Neuron compiler cache location: a local path or `s3://bucket/prefix` (default /var/tmp/neuron-compile-cache)
+NEURON_COMPILE_CACHE_URL = "NEURON_COMPILE_CACHE_URL"
 
 #: short compiler spellings and the long option they stand for
 _CC_ALIASES = {"-O1": ("--optlevel", "1"), "-O2": ("--optlevel", "2"), "-O3": ("--optlevel", "3")}

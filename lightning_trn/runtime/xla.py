@@ -6,6 +6,7 @@ torch_xla is imported lazily, inside the methods, so `import lightning_trn` work
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -15,13 +16,20 @@ from typing import Any, Optional
 import torch
 
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
+from lightning_trn.runtime.collectives import Collectives
 from lightning_trn.runtime.discovery import CPU, NeuronUnavailableError, Platform, detect_platform, torch_xla_installed
+from lightning_trn.runtime.environment import NEURON_COMPILE_CACHE_URL
 
 log = logging.getLogger(__name__)
 
 #: torch_xla counters named `aten::X` count ops run on the host. This one is `.item()` / `bool(tensor)`:
 #: a host read of a device scalar, reported separately as a sync rather than as a missing lowering.
 _SCALAR_READ_COUNTER = "aten::_local_scalar_dense"
+#: torch_xla's persistent-cache counters. XLA:CPU finds entries but cannot load them ("Deserializing serialized
+#: executable not supported"), so there a warm lookup counts as `unloadable` and the graph is compiled again.
+_XLA_CACHE_PATH = "XLA_PERSISTENT_CACHE_PATH"
+_CACHE_COUNTERS = {"hits": "PersistentCacheHit", "misses": "PersistentCacheMiss",
+                   "unloadable": "PersistentCacheDeserializeFailure"}
 
 
 def _import(module: str) -> ModuleType:
@@ -100,3 +108,60 @@ class XlaRuntime(DeviceRuntime):
 
     def supports_cross_process_collectives(self) -> bool:
         return self.detect_platform().kind != CPU
+
+    def enable_compile_cache(self, path: str) -> bool:
+        """Neuron: the compiler's cache (`NEURON_COMPILE_CACHE_URL`); XLA:CPU: torch_xla's persistent cache."""
+        if self.detect_platform().kind != CPU:
+            if os.environ.get(NEURON_COMPILE_CACHE_URL) == path:
+                return True
+            if self.metrics().compiles:
+                return False
+            os.environ[NEURON_COMPILE_CACHE_URL] = path
+            return True
+        if os.environ.get(_XLA_CACHE_PATH) == path:  # torch_xla reads it when its compile cache starts
+            return True
+        if _import("torch_xla")._XLAC._xla_computation_cache_is_initialized():
+            return False
+        _import("torch_xla.runtime").initialize_cache(path, readonly=False)
+        return True
+
+    def compile_cache_counters(self) -> dict[str, int]:
+        met = _import("torch_xla.debug.metrics")
+        return {key: int(met.counter_value(counter) or 0) for key, counter in _CACHE_COUNTERS.items()}
+
+    def configure_process(
+        self, *, global_rank: int, local_rank: int, world_size: int, local_world_size: int, main_address: str,
+        env: EnvironmentPatch,
+    ) -> None:
+        """Neuron: one NeuronCore per process and the PJRT ranks torch_xla would set under torchrun (neuron_env.py)."""
+        if self.detect_platform().kind == CPU:
+            return
+        from lightning_trn.runtime.neuron_env import neuron_process_env
+
+        updates = neuron_process_env(
+            os.environ, global_rank=global_rank, local_rank=local_rank, world_size=world_size,
+            local_world_size=local_world_size, main_address=main_address,
+        )
+        changes = {name: value for name, value in updates.items() if os.environ.get(name) != value}
+        if changes and "torch_xla" in sys.modules and _import("torch_xla")._XLAC._xla_runtime_is_initialized():
+            raise RuntimeError(
+                f"The XLA runtime started before this data-parallel worker could claim its NeuronCore (it still needs "
+                f"{sorted(changes)}), e.g. because a tensor was moved to the XLA device before `trainer.fit`. Do not "
+                "touch the device before the Trainer runs, or launch with torchrun (torch_xla sets them at import)."
+            )
+        for name, value in changes.items():
+            env.set(name, value)
+
+    def process_group_backend(self) -> str:
+        """`xla` (torch_xla's ProcessGroupXla over `xm` collectives) on Neuron; `gloo` on XLA:CPU."""
+        if not self.supports_cross_process_collectives():
+            return "gloo"
+        _import("torch_xla.distributed.xla_backend")  # registers the "xla" backend with torch.distributed
+        return "xla"
+
+    def collectives(self, world_size: int, group: Any = None) -> Collectives:
+        if not self.supports_cross_process_collectives():
+            return super().collectives(world_size, group)
+        from lightning_trn.runtime.xla_collectives import XlaCollectives
+
+        return XlaCollectives(world_size)

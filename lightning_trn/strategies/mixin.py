@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
+import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from torch.optim import Optimizer
 
+from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin, host_sync_free_replacement
 from lightning_trn.plugins.io import NeuronCheckpointIO
 from lightning_trn.plugins.precision import NeuronPrecision
+from lightning_trn.precompile import GRAPHS_ONLY_ENV, apply_precompile_limits, graphs_only
 from lightning_trn.runtime import DeviceRuntime, get_runtime
 from lightning_trn.strategies.device_loader import DevicePrefetchLoader
+
+log = logging.getLogger(__name__)
 
 
 class NeuronStrategyMixin:
@@ -21,6 +27,8 @@ class NeuronStrategyMixin:
     checkpoints. Strategies override `reduce_gradients` to all-reduce between backward and the optimizer update."""
 
     _checkpoint_io: Optional[CheckpointIO]
+    #: read by `lightning_trn._deferred_metrics`: leave `prog_bar=True` values as tensors instead of syncing per step
+    defer_progress_bar_metrics: bool = False
     _precision_plugin: Optional[Precision]
 
     @property
@@ -95,9 +103,40 @@ class NeuronStrategyMixin:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        """Materialise pending device work first, so the tensors copied to the host are the current ones."""
+        """Materialise pending device work first, so the tensors copied to the host are the current ones.
+
+        Skipped (with a log line) under `NEURON_EXTRACT_GRAPHS_ONLY=1`, where tensors hold fake values.
+        """
+        if graphs_only():
+            log.info("lightning_trn: %s=1, outputs are fake: not saving checkpoint %s.", GRAPHS_ONLY_ENV, filepath)
+            return
         self.runtime.sync()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        apply_precompile_limits(trainer)  # `python -m lightning_trn.precompile` shortens the run
+        self._use_host_sync_free_progress_bar(trainer)
+        self._evaluate_under_no_grad(trainer)
+
+    @staticmethod
+    def _evaluate_under_no_grad(trainer: pl.Trainer) -> None:
+        """XLA tensors fail under `torch.inference_mode` ("Cannot set version_counter for inference tensor");
+        Lightning switches its loops to `no_grad` only for its own XLAAccelerator, so do it here."""
+        loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+        for loop in loops:
+            loop.inference_mode = False
+
+    def _use_host_sync_free_progress_bar(self, trainer: pl.Trainer) -> None:
+        """Swap Lightning's stock progress bar for one that reads the device only at logging intervals, and keep
+        progress-bar metrics as tensors (`defer_progress_bar_metrics`) when no other bar needs them every step."""
+        bar = trainer.progress_bar_callback
+        replacement = host_sync_free_replacement(bar)
+        if replacement is not None:
+            trainer.callbacks[trainer.callbacks.index(bar)] = replacement
+            replacement.setup(trainer, trainer.lightning_module, stage=trainer.state.fn)
+            bar = replacement
+        self.defer_progress_bar_metrics = bar is None or isinstance(bar, HostSyncFreeMetricsMixin)
 
     def setup_environment(self) -> None:
         self._check_accelerator()

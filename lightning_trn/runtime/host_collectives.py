@@ -1,0 +1,73 @@
+"""`HostCollectives`: collectives through a gloo process group on host copies (XLA:CPU has none across processes)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_trn.runtime.collectives import Collectives, reduce_op_name
+
+#: Gradients are flattened into buckets of about this many bytes: one device-to-host copy and one gloo call each.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+_DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Split `tensors` into runs of one dtype and at most ~`cap` bytes, keeping their order."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not buckets or buckets[-1][0].dtype != tensor.dtype or size + nbytes > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets
+
+
+class HostCollectives(Collectives):
+    """Copies to the host, runs the gloo collective in `group` (None: the default group), copies back."""
+
+    def __init__(self, world_size: int, group: Optional[Any] = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+        super().__init__(world_size)
+        self._group = group
+        self._bucket_bytes = bucket_bytes
+
+    def _in_place(self, tensors: list[torch.Tensor], collective: Any) -> None:
+        for bucket in _buckets(tensors, self._bucket_bytes):
+            flat = _flatten_dense_tensors([t.detach() for t in bucket]).cpu()
+            collective(flat)
+            flat = flat.to(bucket[0].device)
+            for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                tensor.copy_(value)
+
+    def reduce_gradients(self, gradients: list[torch.Tensor]) -> None:
+        def average(flat: torch.Tensor) -> None:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
+            flat.div_(self.world_size)
+
+        with torch.no_grad():
+            self._in_place(gradients, average)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        name = reduce_op_name(op)
+        host = tensor.detach().cpu().clone()
+        dist.all_reduce(host, op=_DIST_OPS[name], group=self._group)
+        if name == "mean":
+            host = host / self.world_size if host.is_floating_point() else host.float() / self.world_size
+        return host.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = tensor.detach().cpu().contiguous()
+        gathered = [torch.empty_like(host) for _ in range(self.world_size)]
+        dist.all_gather(gathered, host, group=self._group)
+        return torch.stack(gathered).to(tensor.device)
+
+    def broadcast_(self, tensors: list[torch.Tensor], src: int) -> None:
+        with torch.no_grad():
+            self._in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=self._group))

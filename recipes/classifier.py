@@ -1,0 +1,52 @@
+"""`ClassifierModule`: the training/validation/test steps the three recipes share."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+from recipes.metrics import MaskedAccuracy
+
+Batch = dict[str, torch.Tensor]
+
+
+class ClassifierModule(pl.LightningModule):
+    """Cross-entropy on `batch["y"]` weighted by `batch["weight"]` (0 for padding rows), plus masked accuracy.
+
+    Nothing here reads a value back to the host: the loss and the accuracy states stay on the device and Lightning
+    reduces them at the end of the epoch (`on_step=False`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_acc = MaskedAccuracy()
+        self.val_acc = MaskedAccuracy()
+        self.test_acc = MaskedAccuracy()
+
+    @abstractmethod
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """Class logits (batch, classes) for a batch."""
+
+    def _step(self, batch: Batch, stage: str) -> torch.Tensor:
+        logits = self.logits(batch)
+        weight = batch["weight"].to(torch.float32)
+        losses = F.cross_entropy(logits.float(), batch["y"], reduction="none")
+        loss = (losses * weight).sum() / weight.sum().clamp_min(1.0)
+        metric: MaskedAccuracy = getattr(self, f"{stage}_acc")
+        metric.update(logits.argmax(dim=-1), batch["y"], weight)
+        batch_size = len(weight)
+        self.log(f"{stage}_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size)
+        self.log(f"{stage}_acc", metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size)
+        return loss
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._step(batch, "test")

@@ -1,0 +1,78 @@
+"""Command line shared by the recipes: `python -m recipes.<name> [fit|export] [key=value ...] [--help]`.
+
+`fit` (the default) loads `recipes/configs/<name>.yaml`, applies `key=value` overrides (omegaconf dot-list syntax,
+e.g. `trainer.max_epochs=2 data.batch_size=64`), prints the resolved config and trains. `export ckpt=PATH out=DIR`
+converts a checkpoint for GPU/CPU users. Unknown keys are rejected, except under `trainer.` which are passed to
+`lightning.pytorch.Trainer` as they are.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipes import common
+from recipes.common import Recipe
+
+_OPEN_SECTIONS = ("trainer.",)
+
+
+def _flatten(container: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(container, dict):
+        return {prefix: container}
+    flat: dict[str, Any] = {}
+    for key, value in container.items():
+        flat.update(_flatten(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}"))
+    return flat
+
+
+def load_config(recipe: Recipe, overrides: Sequence[str] = ()) -> DictConfig:
+    """The recipe's YAML defaults merged with `key=value` overrides; raises `KeyError` for an unknown key."""
+    base = OmegaConf.load(recipe.config_path)
+    known = _flatten(OmegaConf.to_container(base))
+    update = OmegaConf.from_dotlist(list(overrides))
+    for key in _flatten(OmegaConf.to_container(update)):
+        if key not in known and not key.startswith(_OPEN_SECTIONS):
+            raise KeyError(f"Unknown config key {key!r} for recipe {recipe.name!r}; known keys: {', '.join(known)}")
+    return OmegaConf.merge(base, update)  # type: ignore[return-value]
+
+
+def usage(recipe: Recipe) -> str:
+    """The `--help` text: commands and every config key with its default."""
+    keys = _flatten(OmegaConf.to_container(OmegaConf.load(recipe.config_path)))
+    lines = [
+        f"usage: python -m recipes.{recipe.name} [fit] [key=value ...]",
+        f"       python -m recipes.{recipe.name} export ckpt=PATH out=DIR",
+        "",
+        f"Config keys (defaults from {recipe.config_path.name}; any other trainer.* key goes to Trainer):",
+    ]
+    lines += [f"  {key}={'null' if value is None else value}" for key, value in keys.items()]
+    return "\n".join(lines)
+
+
+def _export_args(args: Sequence[str]) -> dict[str, str]:
+    parsed = dict(arg.split("=", 1) for arg in args if "=" in arg)
+    if set(parsed) != {"ckpt", "out"} or len(args) != 2:
+        raise SystemExit("export needs exactly: ckpt=PATH out=DIR")
+    return parsed
+
+
+def main(recipe: Recipe, argv: Optional[Sequence[str]] = None) -> Any:
+    """Entry point of `python -m recipes.<name>`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help", "help") for arg in args):
+        print(usage(recipe))
+        return None
+    command = args.pop(0) if args and args[0] in ("fit", "export") else "fit"
+    if command == "export":
+        parsed = _export_args(args)
+        return common.export(recipe, parsed["ckpt"], parsed["out"])
+    try:
+        cfg = load_config(recipe, args)
+    except KeyError as err:
+        raise SystemExit(err.args[0]) from None
+    print(OmegaConf.to_yaml(cfg, resolve=True))
+    return common.fit(recipe, cfg)

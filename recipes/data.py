@@ -1,0 +1,77 @@
+"""`TensorDataModule`: fixed-size batches from in-memory tensors, the last partial batch padded and masked.
+
+Every batch has exactly `batch_size` rows, so the compiled step graph is reused for all of them (XLA compiles per
+shape). Padding rows repeat row 0 with `weight` 0; losses and metrics multiply by `weight`, so nothing is dropped
+and nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+Tensors = dict[str, torch.Tensor]
+
+
+def shuffled_split(tensors: Tensors, fractions: tuple[float, ...], seed: int) -> list[Tensors]:
+    """Shuffle the rows with a fixed seed (the offline sets are sorted by class), then cut off `fractions` in order;
+    the rest comes first in the result: `shuffled_split(t, (0.1, 0.2), 0)` -> [70% train, 10% val, 20% test]."""
+    rows = len(next(iter(tensors.values())))
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+    sizes = [int(round(rows * f)) for f in fractions]
+    sizes.insert(0, rows - sum(sizes))
+    return [{k: v[idx] for k, v in tensors.items()} for idx in torch.split(order, sizes)]
+
+
+def pad_to_multiple(tensors: Tensors, multiple: int) -> Tensors:
+    """Append copies of row 0 until the row count is a multiple of `multiple`; add `weight` (1 real, 0 padding)."""
+    rows = len(next(iter(tensors.values())))
+    pad = -rows % multiple
+    padded = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in tensors.items()}
+    padded["weight"] = torch.cat([torch.ones(rows), torch.zeros(pad)])
+    return padded
+
+
+class _RowDataset(Dataset):
+    def __init__(self, tensors: Tensors) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors["weight"])
+
+    def __getitem__(self, index: int) -> Tensors:
+        return {k: v[index] for k, v in self.tensors.items()}
+
+
+class TensorDataModule(pl.LightningDataModule):
+    """Train/val/test splits held as tensors; batches are dicts with the split's keys plus `weight`."""
+
+    def __init__(self, train: Tensors, val: Tensors, test: Optional[Tensors], batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.splits = {"train": train, "val": val, "test": test}
+        self.batch_size = batch_size
+        self.seed = seed
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        tensors = self.splits[split]
+        if tensors is None:
+            raise ValueError(f"This data module has no {split!r} split.")
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            _RowDataset(pad_to_multiple(tensors, self.batch_size)),
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            generator=generator,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

@@ -1,0 +1,59 @@
+"""No device-to-host transfer between logging intervals, with a logger and the progress bar on."""
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin, tensors_to_numbers
+from lightning_trn.runtime import get_runtime
+from models import RegressionModel
+
+LOG_EVERY = 10
+
+
+class CountersAtStep(Callback):
+    def __init__(self) -> None:
+        self.metrics = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.metrics[trainer.global_step] = get_runtime().metrics()
+
+
+@pytest.mark.parametrize("bar", [None, TQDMProgressBar(), RichProgressBar()], ids=["default", "tqdm", "rich"])
+def test_no_transfers_between_logging_steps(tmp_path, bar):
+    counters = CountersAtStep()
+    callbacks = [counters] + ([bar] if bar is not None else [])
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=3 * LOG_EVERY,
+        log_every_n_steps=LOG_EVERY,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+    )
+    trainer.fit(RegressionModel())
+
+    assert isinstance(trainer.progress_bar_callback, HostSyncFreeMetricsMixin)
+    between = counters.metrics[2 * LOG_EVERY - 1] - counters.metrics[LOG_EVERY + 1]
+    assert between.device_to_host == 0 and between.scalar_reads == 0
+    # the bar still shows the logged loss, refreshed at the logging interval
+    shown = trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)
+    assert isinstance(shown["train_loss"], float)
+    assert trainer.logged_metrics["train_loss"] is not None
+
+
+def test_custom_progress_bar_keeps_lightning_behaviour(tmp_path):
+    class MyBar(TQDMProgressBar):
+        pass
+
+    trainer = Trainer(accelerator="neuron", max_steps=3, default_root_dir=tmp_path, callbacks=[MyBar()], logger=False)
+    trainer.fit(RegressionModel())
+    assert type(trainer.progress_bar_callback) is MyBar
+    assert not trainer.strategy.defer_progress_bar_metrics
+    assert isinstance(trainer.progress_bar_metrics["train_loss"], float)
+
+
+def test_tensors_to_numbers():
+    metrics = {"a": torch.tensor(1.5), "b": torch.tensor(2, dtype=torch.int64), "v_num": "3"}
+    assert tensors_to_numbers(metrics) == {"a": 1.5, "b": 2.0, "v_num": "3"}

@@ -1,0 +1,113 @@
+"""`python -m lightning_trn.precompile`: a short run that fills the cache; graphs-only mode saves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_trn import precompile
+from lightning_trn.cache_archive import list_entries
+from lightning_trn.runtime.discovery import NEURON, Platform
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+#: a "real" training script: 5 epochs of 8 batches, checkpoints and a CSV logger, a compile cache
+SCRIPT = r'''
+import json, os, sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
+import lightning_trn
+from lightning_trn.callbacks import NeuronCompileCache
+
+class Model(BoringModel):
+    val_batches = 0
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=8)
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=8)
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch[0], batch_idx)
+    def validation_step(self, batch, batch_idx):
+        self.val_batches += 1
+        self.log("val_loss", self.loss(self(batch[0])))
+
+out = sys.argv[1]
+model = Model()
+trainer = Trainer(accelerator="neuron", max_epochs=5, num_sanity_val_steps=0, enable_progress_bar=False,
+                  logger=CSVLogger(os.path.join(out, "logs")),
+                  callbacks=[NeuronCompileCache(os.path.join(out, "cache")),
+                             ModelCheckpoint(dirpath=os.path.join(out, "ckpt"))])
+trainer.fit(model)
+print("RESULT " + json.dumps({"global_step": trainer.global_step, "val_batches": model.val_batches,
+                              "loggers": len(trainer.loggers)}))
+'''
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "NEURON_"))}
+    env.update(PJRT_DEVICE="CPU", PYTHONPATH=str(PROJECT_ROOT))
+    return env
+
+
+def _result(stdout: str) -> dict:
+    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_parse_separates_options_from_the_training_command():
+    command = ["-m", "pkg.train", "--steps", "9"]
+    assert precompile._parse(["--steps", "2", *command]) == (2, command)
+    assert precompile._parse(["train.py", "--lr", "1"]) == (3, ["train.py", "--lr", "1"])
+    with pytest.raises(SystemExit):
+        precompile._parse(["--steps", "0", "train.py"])
+    with pytest.raises(SystemExit):
+        precompile._parse(["-m"])
+
+
+def test_precompile_runs_a_few_steps_and_fills_the_cache(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_trn.precompile", "--steps", "2", str(script), str(tmp_path)],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = _result(proc.stdout)
+    assert result == {"global_step": 2, "val_batches": 2, "loggers": 1}  # one epoch of 2 + 2 batches, not 5 x 8
+    assert list_entries(str(tmp_path / "cache"))  # the graphs are in the cache for the real run
+    assert list((tmp_path / "ckpt").glob("*.ckpt"))  # real values on XLA:CPU: checkpoints and metrics are kept
+    assert list((tmp_path / "logs").rglob("*.csv"))
+
+
+@pytest.mark.slow
+def test_on_neuron_it_runs_under_neuron_parallel_compile_and_graphs_only_saves_nothing(tmp_path, monkeypatch):
+    """The platform check is faked (no Trainium here); the wrapper is a stand-in that, like the real one, sets
+    NEURON_EXTRACT_GRAPHS_ONLY=1 and runs the command."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "neuron_parallel_compile"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/wrapped\nNEURON_EXTRACT_GRAPHS_ONLY=1 exec "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(precompile, "detect_platform", lambda: Platform(NEURON, 2, "faked"))
+    for name, value in _env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+
+    code = precompile.main(["--steps", "1", str(script), str(tmp_path)])
+
+    assert code == 0
+    assert (tmp_path / "wrapped").read_text().split() == [sys.executable, str(script), str(tmp_path)]
+    assert not list((tmp_path / "ckpt").glob("*.ckpt"))  # fake outputs: no checkpoint written
+    assert not list((tmp_path / "logs").rglob("*.csv"))  # and no metrics logged (the logger made its folder)

@@ -1,0 +1,119 @@
+"""Fast CPU tests of the recipe building blocks: patch embedding, padding, metric, config CLI, offline data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from timm.layers import PatchEmbed
+from timm.models.vision_transformer import VisionTransformer
+
+from recipes import cli
+from recipes.classifier import ClassifierModule
+from recipes.data import TensorDataModule, pad_to_multiple, shuffled_split
+from recipes.metrics import MaskedAccuracy
+from recipes.mlp import RECIPE as MLP
+from recipes.patch_embed import LinearPatchEmbed, to_conv_state_dict, to_linear_state_dict
+from recipes.vit import MnistViT
+
+
+def test_linear_patch_embed_equals_conv_on_same_weights():
+    torch.manual_seed(0)
+    conv = PatchEmbed(img_size=28, patch_size=7, in_chans=3, embed_dim=16)
+    linear = LinearPatchEmbed(img_size=28, patch_size=7, in_chans=3, embed_dim=16)
+    linear.load_state_dict(to_linear_state_dict(conv.state_dict(), key="proj.weight"))
+    x = torch.randn(5, 3, 28, 28)
+    torch.testing.assert_close(linear(x), conv(x), rtol=1e-5, atol=1e-5)
+
+
+def test_patch_weight_conversion_round_trips():
+    state = MnistViT(embed_dim=16, depth=1, num_heads=2).net.state_dict()
+    back = to_linear_state_dict(to_conv_state_dict(state, in_chans=1, patch_size=7))
+    assert to_conv_state_dict(state, 1, 7)["patch_embed.proj.weight"].shape == (16, 1, 7, 7)
+    assert back.keys() == state.keys()
+    for key in state:
+        assert torch.equal(back[key], state[key]), key
+
+
+def test_recipe_vit_loads_into_standard_timm_vit_with_same_logits():
+    torch.manual_seed(0)
+    module = MnistViT(embed_dim=16, depth=2, num_heads=2).eval()
+    reference = VisionTransformer(**module.architecture()).eval()  # conv patch embedding
+    reference.load_state_dict(to_conv_state_dict(module.net.state_dict(), 1, 7))
+    x = torch.randn(4, 784)
+    torch.testing.assert_close(reference(x.reshape(4, 1, 28, 28)), module.logits({"x": x}), rtol=1e-5, atol=1e-5)
+
+
+def test_pad_to_multiple_masks_padding_rows():
+    padded = pad_to_multiple({"x": torch.arange(10.0).view(5, 2), "y": torch.arange(5)}, 4)
+    assert padded["x"].shape == (8, 2) and padded["y"].shape == (8,)
+    assert padded["weight"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    assert torch.equal(padded["x"][:5], torch.arange(10.0).view(5, 2))
+
+
+def test_every_batch_is_full_size_and_no_row_is_dropped_or_doubled():
+    rows = {"x": torch.arange(70.0).view(35, 2), "y": torch.arange(35)}
+    data = TensorDataModule(rows, rows, rows, batch_size=8, seed=0)
+    for loader in (data.train_dataloader(), data.test_dataloader()):
+        batches = list(loader)
+        assert [len(b["y"]) for b in batches] == [8] * 5
+        real = torch.cat([b["y"][b["weight"] == 1] for b in batches])
+        assert sorted(real.tolist()) == list(range(35))
+
+
+def test_shuffled_split_mixes_sorted_classes_and_is_disjoint():
+    sorted_rows = {"i": torch.arange(100), "y": torch.arange(100) // 10}
+    train, val, test = shuffled_split(sorted_rows, (0.1, 0.2), seed=1)
+    assert (len(train["i"]), len(val["i"]), len(test["i"])) == (70, 10, 20)
+    assert sorted(torch.cat([train["i"], val["i"], test["i"]]).tolist()) == list(range(100))
+    assert len(test["y"].unique()) > 3  # not one block of the sorted classes
+    assert torch.equal(shuffled_split(sorted_rows, (0.1, 0.2), seed=1)[2]["i"], test["i"])
+
+
+def test_masked_accuracy_ignores_zero_weight_rows():
+    metric = MaskedAccuracy()
+    metric.update(torch.tensor([1, 1, 0, 0]), torch.tensor([1, 0, 1, 1]), torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    metric.update(torch.tensor([2]), torch.tensor([2]), torch.tensor([1.0]))
+    assert metric.compute().item() == pytest.approx(2 / 3)
+
+
+class _Fixed(ClassifierModule):
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.fixed = logits
+
+    def logits(self, batch):
+        return self.fixed
+
+
+def test_loss_ignores_padding_rows():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [5.0, -5.0]])
+    target = torch.tensor([0, 0, 1])
+    module = _Fixed(logits)
+    module.log = lambda *args, **kwargs: None
+    loss = module._step({"y": target, "weight": torch.tensor([1.0, 1.0, 0.0])}, "val")
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[:2], target[:2]))
+
+
+def test_config_overrides_and_unknown_keys():
+    cfg = cli.load_config(MLP, ["data.batch_size=64", "model.hidden=[16]", "trainer.fast_dev_run=true"])
+    assert cfg.data.batch_size == 64 and list(cfg.model.hidden) == [16] and cfg.trainer.fast_dev_run is True
+    assert cfg.model.lr == 0.01 and cfg.trainer.accelerator == "neuron"
+    with pytest.raises(KeyError, match="data.batchsize"):
+        cli.load_config(MLP, ["data.batchsize=64"])
+
+
+def test_help_lists_every_key(capsys):
+    cli.main(MLP, ["--help"])
+    out = capsys.readouterr().out
+    for key in ("trainer.precision=32-true", "data.batch_size=32", "model.lr=0.01", "export ckpt=PATH out=DIR"):
+        assert key in out
+
+
+def test_offline_data_sets():
+    from recipes.datasets import load_mnist_5k, load_rotten_tomatoes
+
+    mnist = load_mnist_5k()
+    assert mnist["x"].shape == (5000, 784) and torch.bincount(mnist["y"]).tolist() == [500] * 10
+    texts, labels = load_rotten_tomatoes()
+    assert len(texts) == len(set(texts)) == len(labels) > 12000
+    assert set(labels.tolist()) == {0, 1}
