@@ -75,10 +75,11 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
     def dynamic_shapes():
         from test_compile_monitor import SequenceRegressor
 
-        shapes = [(4, 13), (4, 13), (4, 14), (4, 15), (4, 16)]
+        # shapes no other test compiles: XLA caches graphs per process, and a cached graph is not a new compile
+        shapes = [(5, 31), (5, 31), (5, 32), (5, 33), (5, 34)]
         trainer = Trainer(accelerator="neuron", max_epochs=1, logger=False, callbacks=[CompileMonitor(warmup_steps=2)],
                           enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
-        trainer.fit(SequenceRegressor(shapes, [(4, 13)]))
+        trainer.fit(SequenceRegressor(shapes, [(5, 31)]))
 
     def wrong_accelerator():
         trainer = Trainer(accelerator="cpu", strategy="neuron_single", max_steps=1, logger=False)

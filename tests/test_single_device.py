@@ -137,3 +137,32 @@ def test_validate_test_predict_work_with_lightnings_default_inference_mode(tmp_p
     assert trainer.test(model, verbose=False)[0]["val_loss"] > 0
     predictions = trainer.predict(model)
     assert predictions[0].shape == (16, 1)
+
+
+class DropoutModel(RegressionModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(self.dropout(x)), y)
+
+
+def _weights_after_seeded_fit(tmp_path, seed: int) -> torch.Tensor:
+    from lightning.pytorch import seed_everything
+
+    seed_everything(seed)
+    model = DropoutModel()
+    torch.manual_seed(0)  # same initial weights and data order: only the device RNG (dropout) depends on `seed`
+    model.layer.reset_parameters()
+    trainer = Trainer(accelerator="neuron", max_steps=5, default_root_dir=tmp_path, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(model, train_dataloaders=regression_loader(shuffle=False))
+    return model.layer.weight.detach().cpu()
+
+
+def test_seed_everything_reaches_the_device_rng(tmp_path):
+    first = _weights_after_seeded_fit(tmp_path, 1)
+    assert torch.equal(first, _weights_after_seeded_fit(tmp_path, 1))
+    assert not torch.equal(first, _weights_after_seeded_fit(tmp_path, 2))

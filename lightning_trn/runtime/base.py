@@ -85,6 +85,10 @@ class DeviceRuntime(ABC):
         """Autocast context for this device type."""
 
     @abstractmethod
+    def manual_seed(self, seed: int) -> None:
+        """Seed the device's random number generator (`torch.manual_seed` does not reach it on XLA)."""
+
+    @abstractmethod
     def world_size(self) -> int:
         """Number of processes the runtime's own collectives span."""
 

@@ -103,6 +103,9 @@ class XlaRuntime(DeviceRuntime):
         _import("torch_xla")
         return torch.autocast("xla", dtype=dtype)
 
+    def manual_seed(self, seed: int) -> None:
+        _import("torch_xla.core.xla_model").set_rng_state(seed)
+
     def world_size(self) -> int:
         return int(_import("torch_xla.runtime").world_size())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -114,10 +115,18 @@ class NeuronStrategyMixin:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def setup(self, trainer: pl.Trainer) -> None:
+        self._seed_device()
         super().setup(trainer)  # type: ignore[misc]
         apply_precompile_limits(trainer)  # `python -m lightning_trn.precompile` shortens the run
         self._use_host_sync_free_progress_bar(trainer)
         self._evaluate_under_no_grad(trainer)
+
+    def _seed_device(self) -> None:
+        """Make `seed_everything(s)` reach the device RNG (dropout, stochastic rounding): every rank gets the same
+        seed, as Lightning seeds every rank's host RNG the same."""
+        seed = os.environ.get("PL_GLOBAL_SEED")
+        if seed is not None:
+            self.runtime.manual_seed(int(seed))
 
     @staticmethod
     def _evaluate_under_no_grad(trainer: pl.Trainer) -> None:
