@@ -2,25 +2,44 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import RandomSampler
 
 from lightning_trn.runtime import DeviceRuntime
+
+log = logging.getLogger(__name__)
+
+#: `state_dict()` key: batches of the current epoch handed to the training loop (including skipped ones)
+BATCHES_YIELDED = "batches_yielded"
 
 
 class DevicePrefetchLoader:
     """Iterates the wrapped DataLoader through the runtime's background prefetcher (`MpDeviceLoader` on XLA).
 
-    Attribute reads (`dataset`, `sampler`, `batch_sampler`, `batch_size`, ...) and `len()` go to the wrapped
-    loader, so Lightning's loops (epoch setting on samplers, length checks) keep working.
+    Attribute reads (`dataset`, `sampler`, `batch_sampler`, `batch_size`, ...), public attribute writes and `len()`
+    go to the wrapped loader, so Lightning's loops keep working (epoch setting on samplers, length checks, and
+    `seed_everything(workers=True)` setting `worker_init_fn`, which must reach the real DataLoader).
+
+    Resumable: `state_dict()` holds how many batches of the current epoch reached the loop (batches still in the
+    prefetch queue do not count), and after `load_state_dict()` the next iteration skips that many batches of the
+    wrapped loader on the host, before anything is sent to the device. Lightning saves and restores this state in
+    its checkpoints because the class has both methods (`_Stateful`); `NeuronCheckpointIO` files it under its own key.
+
+    Prefetching starts at the first `next()`, not at `iter()`: Lightning creates the epoch's iterator before it
+    calls `set_epoch` on the sampler, and an eager background loader would read the sampler's previous epoch.
     """
 
     def __init__(self, dataloader: Any, device: torch.device, runtime: DeviceRuntime) -> None:
         self._loader = dataloader
         self._device = device
         self._runtime = runtime
+        self._yielded = 0
+        self._skip = 0
 
     @property
     def wrapped(self) -> Any:
@@ -28,12 +47,59 @@ class DevicePrefetchLoader:
         return self._loader
 
     def __iter__(self) -> Iterator:
-        return iter(self._runtime.prefetch(self._loader, self._device))
+        skip, self._skip = self._skip, 0
+        self._yielded = skip
+        return self._batches(skip)
+
+    def _batches(self, skip: int) -> Iterator:
+        source = itertools.islice(self._loader, skip, None) if skip else self._loader
+        for batch in self._runtime.prefetch(source, self._device):
+            self._yielded += 1
+            yield batch
+        self._yielded = 0  # exhausted: a checkpoint taken now resumes at the start of the next epoch
 
     def __len__(self) -> int:
         return len(self._loader)
 
+    def state_dict(self) -> dict[str, int]:
+        """Position in the current epoch: batches yielded to the loop (or still to skip after a restore)."""
+        return {BATCHES_YIELDED: self._skip or self._yielded}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Make the next iteration resume the epoch where `state_dict` left it.
+
+        A position at or past the end of the epoch (a checkpoint saved on the last batch) resumes at the start of
+        the next epoch, as Lightning's loop does.
+        """
+        position = int(state_dict.get(BATCHES_YIELDED, 0))
+        length = self._length()
+        self._skip = 0 if length is not None and position >= length else position
+        if self._skip and self._shuffles_without_epoch_seed():
+            log.warning(
+                "lightning_trn: resuming mid-epoch by skipping %d batches, but the train loader shuffles with a "
+                "`RandomSampler`, whose order after a restart differs from the interrupted epoch's. For an exact "
+                "resume use a sampler with `set_epoch` (see docs/fault-tolerance.md).",
+                self._skip,
+            )
+
+    def _length(self) -> int | None:
+        try:
+            return len(self._loader)
+        except TypeError:  # iterable-style dataset without a length
+            return None
+
+    def _shuffles_without_epoch_seed(self) -> bool:
+        batch_sampler = getattr(self._loader, "batch_sampler", None)
+        samplers = (getattr(self._loader, "sampler", None), getattr(batch_sampler, "sampler", None))
+        return any(isinstance(sampler, RandomSampler) for sampler in samplers)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._loader, name, value)
+
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_loader", "_device", "_runtime"):
+        if name.startswith("__") or name in ("_loader", "_device", "_runtime", "_yielded", "_skip"):
             raise AttributeError(name)
         return getattr(self._loader, name)

@@ -1,0 +1,86 @@
+"""Worker script for tests/test_fault_tolerance.py: a deterministic run that resumes itself when started again.
+
+`python ft_train.py --out DIR` trains a small MLP with SGD on `accelerator="neuron"` for `--max-steps` steps, writing
+`DIR/checkpoints/last.ckpt` every `--every` steps (mid-epoch) and resuming from it (`ckpt_path="last"`) if present.
+Prints `START <global_step>` once training starts (after any restore) and `STEP <global_step>` after every step, then
+`DIR/final.pt` with the final weights. The data is shuffled by a sampler with `set_epoch` (epoch-seeded), as
+docs/fault-tolerance.md asks for an exact resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_trn  # noqa: F401  (registers accelerator="neuron")
+
+SEED = 7
+SAMPLES, BATCH_SIZE = 256, 16  # 16 batches per epoch
+
+
+class Progress(pl.Callback):
+    """Reports the step the run starts from and each finished step on stdout, for the parent test to act on."""
+
+    def __init__(self, step_delay: float) -> None:
+        self.step_delay = step_delay
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        print(f"START {trainer.global_step}", flush=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        print(f"STEP {trainer.global_step}", flush=True)
+        time.sleep(self.step_delay)  # gives the parent time to kill the run at a chosen step
+
+
+class MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(SEED)
+        x = torch.randn(SAMPLES, 8, generator=generator)
+        dataset = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--step-delay", type=float, default=0.0)
+    args = parser.parse_args()
+
+    pl.seed_everything(SEED)
+    model = MLP()
+    trainer = pl.Trainer(
+        accelerator="neuron", devices=1, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=args.out,
+        callbacks=[
+            Progress(args.step_delay),
+            ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=0,
+                            every_n_train_steps=args.every),
+        ],
+    )
+    trainer.fit(model, ckpt_path="last")
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
+
+
+if __name__ == "__main__":
+    main()
