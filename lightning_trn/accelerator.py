@@ -1,4 +1,4 @@
-"""`NeuronAccelerator`: Lightning's accelerator for AWS Trainium/Inferentia NeuronCores (and XLA:CPU for development)."""
+"""`NeuronAccelerator`: Lightning's accelerator for AWS Trainium/Inferentia NeuronCores (XLA:CPU for development)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,10 @@ class ClassifierModule(pl.LightningModule):
         metric: MaskedAccuracy = getattr(self, f"{stage}_acc")
         metric.update(logits.argmax(dim=-1), batch["y"], weight)
         batch_size = len(weight)
-        self.log(f"{stage}_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size)
+        # on_epoch only: `sync_dist` averages over the ranks once, at the end of the epoch, not per step
+        self.log(
+            f"{stage}_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size, sync_dist=True
+        )
         self.log(f"{stage}_acc", metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size)
         return loss
 

@@ -55,8 +55,9 @@ def fit(recipe: Recipe, cfg: DictConfig) -> tuple[ClassifierModule, dict[str, An
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
     results = trainer.test(model, datamodule=data, verbose=False)[0]
     checkpoint = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
-    print(f"[{recipe.name}] held-out test: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
-    print(f"[{recipe.name}] checkpoint: {checkpoint}")
+    if trainer.is_global_zero:
+        print(f"[{recipe.name}] held-out test: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
+        print(f"[{recipe.name}] checkpoint: {checkpoint}")
     return model, {**results, "checkpoint": checkpoint}
 
 

@@ -243,6 +243,7 @@ def _run_summary(out: Path) -> dict:
 def _assert_trained_like_reference(out: Path, reference: dict[str, torch.Tensor], reference_loss: float) -> None:
     summary = _run_summary(out)
     assert summary["last_loss"] == pytest.approx(reference_loss, abs=WEIGHT_TOLERANCE)  # `sync_dist=True` averaged it
+    assert summary["samples"] == 8 * STEPS  # the torchmetrics state summed over both ranks (2 x batch 4 per step)
     # no `.item()` on a device tensor between steps: Lightning's per-step SIGTERM broadcast would add one per step
     assert summary["scalar_reads"] == 0
     weights = _weights(out)

@@ -6,4 +6,10 @@ from lightning_trn.callbacks.compile_monitor import CompileMonitor
 from lightning_trn.callbacks.compiler_flags import NeuronCompilerFlags
 from lightning_trn.callbacks.progress_bar import NeuronRichProgressBar, NeuronTQDMProgressBar
 
-__all__ = ["CompileMonitor", "NeuronCompileCache", "NeuronCompilerFlags", "NeuronRichProgressBar", "NeuronTQDMProgressBar"]
+__all__ = [
+    "CompileMonitor",
+    "NeuronCompileCache",
+    "NeuronCompilerFlags",
+    "NeuronRichProgressBar",
+    "NeuronTQDMProgressBar",
+]

@@ -7,7 +7,7 @@ processes, so they run in a gloo process group on host copies. Every rank must c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.distributed import ReduceOp
@@ -63,3 +63,8 @@ class Collectives(ABC):
     @abstractmethod
     def broadcast_(self, tensors: list[torch.Tensor], src: int) -> None:
         """Overwrite `tensors` in place with rank `src`'s values."""
+
+    def metric_sync_fn(self) -> Optional[Callable[..., list[torch.Tensor]]]:
+        """The gather torchmetrics should use for metric states, or None where its default (the default process
+        group) already handles device tensors."""
+        return None

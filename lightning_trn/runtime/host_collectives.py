@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,3 +71,15 @@ class HostCollectives(Collectives):
     def broadcast_(self, tensors: list[torch.Tensor], src: int) -> None:
         with torch.no_grad():
             self._in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=self._group))
+
+    def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]]:
+        """torchmetrics gathers over the default group, here gloo, which takes host tensors only: gather host copies
+        (torchmetrics' own gather, so states of different sizes per rank still work) and move them back."""
+
+        def gather(tensor: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
+            from torchmetrics.utilities.distributed import gather_all_tensors
+
+            host = gather_all_tensors(tensor.detach().cpu(), group if group is not None else self._group)
+            return [value.to(tensor.device) for value in host]
+
+        return gather

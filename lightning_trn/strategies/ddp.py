@@ -168,7 +168,21 @@ class NeuronDDPStrategy(NeuronStrategyMixin, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._broadcast_module_states()
+        self._route_metric_syncs()
         install_host_sigterm_sync(trainer, self._host_group)
+
+    def _route_metric_syncs(self) -> None:
+        """Give the module's torchmetrics metrics the collectives' gather where their default cannot work."""
+        sync_fn = self.collectives.metric_sync_fn()
+        if sync_fn is None or self.lightning_module is None:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # no torchmetrics, no metrics to sync
+            return
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric) and module.dist_sync_fn is None:  # keep a gather the user chose
+                module.dist_sync_fn = sync_fn
 
     def _broadcast_module_states(self) -> None:
         """Start every rank from rank 0's parameters and buffers, whatever each process's seed."""

@@ -2,9 +2,9 @@
 
 Launched by torchrun or as plain `python ddp_train.py` (the strategy then starts the other ranks itself). Every rank
 initialises the model from a different seed, so only the strategy's broadcast at setup makes the weights equal.
-Writes to --out: `final.ckpt` (through a checkpoint IO that records which rank saved) and, from rank 0, `run.json` (the last step's
-loss, logged with `sync_dist=True`, and the device scalar reads between steps) and `collectives.json` with the results of `strategy.reduce` / `all_gather` /
-`broadcast` over the ranks.
+Writes to --out: `final.ckpt` (through a checkpoint IO that records which rank saved) and, from rank 0, `run.json`
+(the last step's loss, logged with `sync_dist=True`, the torchmetrics sample count, and the device scalar reads
+between steps) and `collectives.json` with the results of `strategy.reduce` / `all_gather` / `broadcast`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_trn
@@ -44,6 +45,8 @@ class Regression(pl.LightningModule):
     def __init__(self, die_rank: int, die_step: int) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        # synced over the ranks when computed: all samples of the epoch ("disable": no NaN check, i.e. host read)
+        self.samples = torchmetrics.SumMetric(nan_strategy="disable")
         self.die_rank, self.die_step = die_rank, die_step
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -52,6 +55,8 @@ class Regression(pl.LightningModule):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)  # mean over ranks = the 1-process loss on the whole batch
+        self.samples.update(torch.ones_like(y).sum())
+        self.log("samples", self.samples, on_step=False, on_epoch=True)
         return loss
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -129,7 +134,11 @@ def main() -> None:
     trainer.fit(model, loader)
     trainer.save_checkpoint(args.out / "final.ckpt")
     if trainer.is_global_zero:
-        run = {"last_loss": trainer.callback_metrics["train_loss"].item(), "scalar_reads": reads.between_steps()}
+        run = {
+            "last_loss": trainer.callback_metrics["train_loss"].item(),
+            "samples": trainer.callback_metrics["samples"].item(),
+            "scalar_reads": reads.between_steps(),
+        }
         (args.out / "run.json").write_text(json.dumps(run))
     if distributed:
         write_collectives(trainer.strategy, args.out)

@@ -1,0 +1,47 @@
+"""The benchmark scripts run end to end with a few MLP steps, through their documented command lines."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(*args: str) -> list[dict[str, str]]:
+    """`python -m benchmarks.<name> ...` from the repo root; the rows of the Markdown table it prints last."""
+    done = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    return [dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")))) for row in table[1:]]
+
+
+def test_overhead_prints_both_sides_and_their_ratio():
+    (row,) = run_benchmark("benchmarks.overhead", "--workloads", "mlp", "--repeats", "1", "--warmup", "3",
+                           "--steps", "5")
+    plugin, hand_written = float(row["plugin steps/s"]), float(row["hand-written steps/s"])
+    assert plugin > 0 and hand_written > 0
+    assert float(row["ratio"]) == pytest.approx(plugin / hand_written, rel=0.01)
+
+
+def test_xla_behaviour_finds_no_transfers_or_fallbacks_between_logging_steps():
+    rows = run_benchmark("benchmarks.xla_behaviour", "--workloads", "mlp", "--warmup", "3", "--steps", "60")
+    plugin = next(row for row in rows if row["loop"] == "plugin")
+    assert plugin["compiles after warm-up"] == "0"
+    assert plugin["none on other steps"] == "yes"
+    assert "logging" in plugin["D2H transfers + scalar reads / steps, by kind of step"]
+    assert plugin["CPU fallbacks (whole run)"] == "0"
+
+
+def test_compile_cache_warm_run_finds_every_graph_of_the_cold_run():
+    cold, warm, _ = run_benchmark("benchmarks.compile_cache", "--workload", "mlp", "--steps", "2")
+    assert (cold["run"], warm["run"]) == ("cold", "warm")
+    assert int(cold["cache misses"]) == int(cold["compiles"]) > 0 and cold["cache hits"] == "0"
+    assert warm["cache misses"] == "0"
+    assert int(warm["cache hits"]) + int(warm["unloadable"]) == int(cold["cache misses"])
