@@ -1,0 +1,268 @@
+"""What the benchmarks share: the recipe workloads, a step clock, and the two training loops they compare.
+
+- `run_plugin`: `Trainer(accelerator="neuron")` with a CSVLogger and the (default) progress bar, checkpointing off.
+- `run_baseline`: the hand-written torch_xla loop on the same module, data, batch and device: `MpDeviceLoader`, the
+  module's own `training_step`, `loss.backward()`, `xm.optimizer_step(opt)`, one `torch_xla.sync()` per step.
+
+Both time only steady-state steps: the clock starts at the first step after `warmup` (once the device is idle) and
+stops after the last step once the device finished (`xm.wait_device_ops()`, which waits without cutting a graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader
+
+from lightning_trn.runtime import RuntimeMetrics, get_runtime
+from recipes import bert, mlp, vit
+from recipes.classifier import ClassifierModule
+from recipes.cli import load_config
+from recipes.common import Recipe
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A recipe with small overrides, and how many steps to warm up (compiles) and to time."""
+
+    name: str
+    recipe: Recipe
+    overrides: tuple[str, ...]
+    warmup: int
+    steps: int
+    log_every_n_steps: int
+
+
+#: warm-up covers the first epoch end (MNIST-5k: 110 batches of 32) so every graph variant has compiled before timing;
+#: BERT logs every 10 steps so that its ~20 timed steps include logging steps
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("mlp", mlp.RECIPE, (), warmup=120, steps=1000, log_every_n_steps=50),
+        Workload("vit", vit.RECIPE, (), warmup=115, steps=120, log_every_n_steps=50),
+        Workload("bert", bert.RECIPE, ("data.batch_size=8", "data.max_length=64"), warmup=4, steps=20,
+                 log_every_n_steps=10),
+    )
+}
+
+
+def add_workload_args(parser: argparse.ArgumentParser, repeats: Optional[int] = None) -> None:
+    """`--workloads`, `--steps`, `--warmup` (and `--repeats` when `repeats` is given as its default)."""
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
+                        help="recipes to run (default: all)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per run (default per workload: "
+                             + ", ".join(f"{w.name} {w.steps}" for w in WORKLOADS.values()) + ")")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed warm-up steps per run (default per workload: "
+                             + ", ".join(f"{w.name} {w.warmup}" for w in WORKLOADS.values()) + ")")
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats, help=f"runs per side (default {repeats})")
+
+
+def selected_workloads(args: argparse.Namespace) -> list[Workload]:
+    """The workloads named on the command line with `--steps` / `--warmup` applied."""
+    chosen = [WORKLOADS[name] for name in args.workloads]
+    return [
+        replace(w, steps=args.steps if args.steps is not None else w.steps,
+                warmup=args.warmup if args.warmup is not None else w.warmup)
+        for w in chosen
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _config_and_loader(name: str) -> tuple[DictConfig, DataLoader]:
+    workload = WORKLOADS[name]
+    cfg = load_config(workload.recipe, workload.overrides)
+    return cfg, workload.recipe.build_data(cfg).train_dataloader()
+
+
+def config_and_loader(workload: Workload) -> tuple[DictConfig, DataLoader]:
+    """The recipe config and its training DataLoader (built once per process and shared by both sides)."""
+    return _config_and_loader(workload.name)
+
+
+def fresh_module(workload: Workload) -> ClassifierModule:
+    """A new module with the recipe's seed, so every run starts from the same weights and no Trainer is attached."""
+    cfg, _ = config_and_loader(workload)
+    pl.seed_everything(cfg.seed, verbose=False)
+    return workload.recipe.build_model(cfg)
+
+
+def wait_for_device() -> None:
+    """Block until the device has run everything launched so far (does not cut the pending graph)."""
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()
+
+
+@dataclass
+class Measurement:
+    """One run: steady-state steps/s and the runtime counters over the timed steps."""
+
+    steps_per_s: float
+    #: CPU time of this process (all its threads) per timed step: on XLA:CPU the device is the host, and this is
+    #: less sensitive than wall time to other processes on the machine
+    cpu_ms_per_step: float
+    #: counters over the timed steps
+    window: RuntimeMetrics
+    #: counters over the whole run, warm-up included
+    whole: RuntimeMetrics
+    #: counters per timed step (from one step's start to the next's, so epoch ends count in the step that ends the
+    #: epoch), when recorded
+    per_step: list[RuntimeMetrics] = field(default_factory=list)
+    #: per recorded step: "logging" (the logger writes this step), "epoch end" or "other"
+    step_kinds: list[str] = field(default_factory=list)
+
+
+class StepClock:
+    """Call `step_start(i)` before every step `i` (0-based) and `finish()` after the last one."""
+
+    def __init__(self, warmup: int, steps: int, record_steps: bool = False) -> None:
+        self.warmup, self.steps, self.record_steps = warmup, steps, record_steps
+        self._t0 = self._cpu0 = 0.0
+        self._start = get_runtime().metrics()
+        self._snapshots: list[RuntimeMetrics] = []
+        self.step_kinds: list[str] = []
+        self.result: Optional[Measurement] = None
+
+    def step_start(self, index: int) -> None:
+        if index == self.warmup:
+            wait_for_device()
+            self._t0, self._cpu0 = time.perf_counter(), time.process_time()
+            self._snapshots = [get_runtime().metrics()]
+        elif index > self.warmup and self.record_steps:
+            self._snapshots.append(get_runtime().metrics())
+
+    def finish(self) -> None:
+        wait_for_device()
+        elapsed, cpu = time.perf_counter() - self._t0, time.process_time() - self._cpu0
+        end = get_runtime().metrics()
+        per_step = [b - a for a, b in zip(self._snapshots, [*self._snapshots[1:], end])] if self.record_steps else []
+        kinds = self.step_kinds[self.warmup:] or ["other"] * len(per_step)  # the hand-written loop never logs
+        self.result = Measurement(
+            self.steps / elapsed, 1e3 * cpu / self.steps, end - self._snapshots[0], end - self._start, per_step, kinds
+        )
+
+
+class _ClockCallback(pl.Callback):
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+        self.seen = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.clock.step_start(self.seen)
+        self.seen += 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.clock.record_steps:
+            if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+                self.clock.step_kinds.append("epoch end")
+            else:
+                self.clock.step_kinds.append("logging" if trainer._logger_connector.should_update_logs else "other")
+        if self.seen == self.clock.warmup + self.clock.steps:
+            self.clock.finish()
+
+
+def run_plugin(
+    workload: Workload, record_steps: bool = False, bar_and_logger: bool = True, module_logging: bool = True
+) -> Measurement:
+    """`Trainer(accelerator="neuron")`, CSVLogger + default progress bar, no checkpointing, no validation.
+
+    For a breakdown of the per-step cost: `bar_and_logger=False` turns the progress bar and the logger off,
+    `module_logging=False` makes the module's `self.log` a no-op (as in the hand-written loop).
+    """
+    _, loader = config_and_loader(workload)
+    module = fresh_module(workload)
+    if not module_logging:
+        module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    clock = StepClock(workload.warmup, workload.steps, record_steps)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = pl.Trainer(
+            accelerator="neuron",
+            devices=1,
+            max_epochs=-1,
+            max_steps=workload.warmup + workload.steps,
+            logger=CSVLogger(out, name="bench") if bar_and_logger else False,
+            enable_progress_bar=bar_and_logger,
+            log_every_n_steps=workload.log_every_n_steps,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=out,
+            callbacks=[_ClockCallback(clock)],
+        )
+        trainer.fit(module, train_dataloaders=loader)
+    del trainer, module
+    gc.collect()
+    assert clock.result is not None
+    return clock.result
+
+
+def _device_batches(loader: DataLoader, device: torch.device) -> Iterator[Any]:
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+    while True:  # one MpDeviceLoader per epoch, as the plugin's prefetcher
+        yield from MpDeviceLoader(loader, device)
+
+
+def run_baseline(workload: Workload, record_steps: bool = False) -> Measurement:
+    """The hand-written torch_xla loop around the module's own `training_step` (its `self.log` is a no-op here)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    _, loader = config_and_loader(workload)
+    device = torch_xla.device()
+    module = fresh_module(workload).to(device)
+    module.train()
+    optimizer = module.configure_optimizers()
+    clock = StepClock(workload.warmup, workload.steps, record_steps)
+    batches = _device_batches(loader, device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")  # "no Trainer reference": the log is skipped
+        for index in range(workload.warmup + workload.steps):
+            clock.step_start(index)
+            batch = next(batches)
+            optimizer.zero_grad()
+            loss = module.training_step(batch, index)
+            loss.backward()
+            xm.optimizer_step(optimizer)
+            torch_xla.sync()
+    clock.finish()
+    del module, optimizer, batches
+    gc.collect()
+    assert clock.result is not None
+    return clock.result
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (pasteable into benchmarks/README.md)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def describe_machine() -> str:
+    """One line: date, device type and host cores, for the results table."""
+    import torch_xla.runtime as xr
+
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, XLA device {xr.device_type()}, "
+            f"{os.cpu_count()} host cores, torch {torch.__version__}, lightning {pl.__version__}")
