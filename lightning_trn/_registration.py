@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from packaging.version import Version
 
-from lightning_trn._deferred_metrics import install_deferred_metrics_hook
+from lightning_trn._logging_hooks import install_deferred_metrics_hook, install_result_move_shortcut
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.plugins.precision import NeuronPrecision
 from lightning_trn.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
@@ -91,3 +91,4 @@ def register() -> None:
         NeuronDDPStrategy.register_strategies(StrategyRegistry)
     if _install_connector_hooks():
         install_deferred_metrics_hook()
+        install_result_move_shortcut()

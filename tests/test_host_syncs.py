@@ -57,3 +57,23 @@ def test_custom_progress_bar_keeps_lightning_behaviour(tmp_path):
 def test_tensors_to_numbers():
     metrics = {"a": torch.tensor(1.5), "b": torch.tensor(2, dtype=torch.int64), "v_num": "3"}
     assert tensors_to_numbers(metrics) == {"a": 1.5, "b": 2.0, "v_num": "3"}
+
+
+def test_result_metric_move_is_skipped_only_when_already_on_that_xla_device(monkeypatch):
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    walks = []
+    real_apply = result.apply_to_collection
+    monkeypatch.setattr(result, "apply_to_collection", lambda *a, **k: walks.append(1) or real_apply(*a, **k))
+    metadata = result._Metadata(fx="training_step", name="loss", on_step=True, on_epoch=True)
+    metadata.sync = result._Sync()
+    logged = result._ResultMetric(metadata, is_tensor=True)
+    xla = get_runtime().device()
+
+    logged.to(xla)
+    logged.to(xla)  # already there: no walk
+    assert len(walks) == 1 and logged.value.device.type == "xla"
+    logged.to(torch.device("cpu"))  # elsewhere: moved in full (Lightning does this at every epoch end)
+    assert len(walks) == 2 and logged.value.device.type == "cpu"
+    logged.to(xla)  # back: moved again, not skipped
+    assert len(walks) == 3 and logged.value.device.type == "xla"

@@ -28,7 +28,7 @@ class NeuronStrategyMixin:
     checkpoints. Strategies override `reduce_gradients` to all-reduce between backward and the optimizer update."""
 
     _checkpoint_io: Optional[CheckpointIO]
-    #: read by `lightning_trn._deferred_metrics`: leave `prog_bar=True` values as tensors instead of syncing per step
+    #: read by `lightning_trn._logging_hooks`: leave `prog_bar=True` values as tensors instead of syncing per step
     defer_progress_bar_metrics: bool = False
     _precision_plugin: Optional[Precision]
 
