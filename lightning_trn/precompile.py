@@ -19,7 +19,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
-from lightning_trn.runtime.discovery import NEURON, NeuronUnavailableError, detect_platform
+from lightning_trn.runtime import get_runtime
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,7 @@ def apply_precompile_limits(trainer: pl.Trainer) -> None:
 def build_command(target: list[str]) -> list[str]:
     """`python script.py args` or `python -m module args`; on Neuron wrapped in `neuron_parallel_compile`."""
     command = [sys.executable, *target]
-    try:
-        on_neuron = detect_platform().kind == NEURON
-    except NeuronUnavailableError:
-        on_neuron = False
-    wrapper = shutil.which("neuron_parallel_compile") if on_neuron else None
+    wrapper = shutil.which("neuron_parallel_compile") if get_runtime().on_neuron() else None
     return [wrapper, *command] if wrapper else command
 
 

@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin, tensors_to_numbers
+from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin
 from lightning_trn.runtime import get_runtime
 from models import RegressionModel
 
@@ -52,11 +52,6 @@ def test_custom_progress_bar_keeps_lightning_behaviour(tmp_path):
     assert type(trainer.progress_bar_callback) is MyBar
     assert not trainer.strategy.defer_progress_bar_metrics
     assert isinstance(trainer.progress_bar_metrics["train_loss"], float)
-
-
-def test_tensors_to_numbers():
-    metrics = {"a": torch.tensor(1.5), "b": torch.tensor(2, dtype=torch.int64), "v_num": "3"}
-    assert tensors_to_numbers(metrics) == {"a": 1.5, "b": 2.0, "v_num": "3"}
 
 
 def test_result_metric_move_is_skipped_only_when_already_on_that_xla_device(monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 
 from lightning_trn import precompile
 from lightning_trn.cache_archive import list_entries
+from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.discovery import NEURON, Platform
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ def test_on_neuron_it_runs_under_neuron_parallel_compile_and_graphs_only_saves_n
     wrapper = bin_dir / "neuron_parallel_compile"
     wrapper.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/wrapped\nNEURON_EXTRACT_GRAPHS_ONLY=1 exec "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(precompile, "detect_platform", lambda: Platform(NEURON, 2, "faked"))
+    monkeypatch.setattr(get_runtime(), "detect_platform", lambda: Platform(NEURON, 2, "faked"))
     for name, value in _env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

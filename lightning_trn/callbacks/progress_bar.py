@@ -7,20 +7,14 @@ epoch/validation ends.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics
-from torch import Tensor
 
 _Metrics = dict[str, Union[int, str, float, dict[str, float]]]
-
-
-def tensors_to_numbers(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Replace scalar tensors in `metrics` with Python numbers. The values are already computed at a refresh, so
-    each read is a plain transfer; stacking them first would launch an extra device graph."""
-    return {name: value.item() if isinstance(value, Tensor) else value for name, value in metrics.items()}
 
 
 class HostSyncFreeMetricsMixin:
@@ -37,7 +31,8 @@ class HostSyncFreeMetricsMixin:
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> _Metrics:
         if self._refresh_due(trainer):
-            pbar = tensors_to_numbers(dict(trainer.progress_bar_metrics))
+            # Lightning's own conversion (not the one `_logging_hooks` defers): one `.item()` per value
+            pbar = convert_tensors_to_scalars(dict(trainer.progress_bar_metrics))
             self._cached_metrics = {**get_standard_metrics(trainer), **pbar}
             self._cached_step = trainer.global_step
         return dict(self._cached_metrics or {})

@@ -25,8 +25,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_trn.plugins.stochastic_rounding import Bf16OptimizerStep
-from lightning_trn.runtime import NeuronUnavailableError, get_runtime
-from lightning_trn.runtime.discovery import NEURON
+from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.environment import (
     NEURON_CC_FLAGS,
     EnvironmentPatch,
@@ -58,13 +57,6 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
 
 def _to_bf16(tensor: Tensor) -> Tensor:
     return tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
-
-
-def _on_neuron() -> bool:
-    try:
-        return get_runtime().detect_platform().kind == NEURON
-    except NeuronUnavailableError:
-        return False
 
 
 class NeuronPrecision(Precision):
@@ -101,7 +93,7 @@ class NeuronPrecision(Precision):
         self.master_weights = master_weights
         self.stochastic_rounding = stochastic_rounding and precision == "bf16-true"
         self.seed = seed
-        self._on_neuron = _on_neuron()
+        self._on_neuron = get_runtime().on_neuron()
         self._environment = EnvironmentPatch()
         self._environment_applied = False
         self._configure_environment()

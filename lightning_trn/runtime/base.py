@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lightning_trn.runtime.collectives import Collectives
-from lightning_trn.runtime.discovery import Platform
+from lightning_trn.runtime.discovery import NEURON, NeuronUnavailableError, Platform
 from lightning_trn.runtime.environment import EnvironmentPatch
 
 
@@ -59,6 +59,13 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def detect_platform(self) -> Platform:
         """The platform this process will use; raises `NeuronUnavailableError` with the fix if there is none."""
+
+    def on_neuron(self) -> bool:
+        """Whether this process runs on real NeuronCores: False on XLA:CPU and where no platform is usable."""
+        try:
+            return self.detect_platform().kind == NEURON
+        except NeuronUnavailableError:
+            return False
 
     @abstractmethod
     def device(self) -> torch.device:

@@ -41,11 +41,6 @@ class DevicePrefetchLoader:
         self._yielded = 0
         self._skip = 0
 
-    @property
-    def wrapped(self) -> Any:
-        """The DataLoader being prefetched."""
-        return self._loader
-
     def __iter__(self) -> Iterator:
         skip, self._skip = self._skip, 0
         self._yielded = skip
