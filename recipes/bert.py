@@ -29,10 +29,24 @@ class TextClassifier(ClassifierModule):
         self.net.train()  # from_pretrained returns eval mode (no dropout); Lightning 2.6 keeps submodule modes
 
     def logits(self, batch: Batch) -> torch.Tensor:
-        return self.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        mask = encoder_attention_mask(batch["attention_mask"], self.net.config._attn_implementation, self.net.dtype)
+        return self.net(input_ids=batch["input_ids"], attention_mask=mask).logits
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+def encoder_attention_mask(padding_mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The (batch, 1, 1, keys) attention mask, built on the device from the tokenizer's 2-D padding mask.
+
+    Given a 2-D mask, transformers 5.x asks `padding_mask.all()` on the host whether it may drop the mask: a
+    device-to-host read that cuts the XLA graph every forward. It takes a 4-D mask as it is. SDPA takes it as booleans
+    (True = attend); eager attention adds it to the scores, so there it is 0 / the dtype's minimum.
+    """
+    keep = padding_mask[:, None, None, :].bool()
+    if attn_implementation != "eager":
+        return keep
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def build_model(cfg: DictConfig) -> TextClassifier:

@@ -1,4 +1,4 @@
-"""Fast CPU tests of the recipe building blocks: patch embedding, padding, metric, config CLI, offline data."""
+"""Fast tests of the recipe building blocks: patch embedding, padding, metric, BERT attention mask, config CLI, offline data."""
 
 from __future__ import annotations
 
@@ -117,3 +117,57 @@ def test_offline_data_sets():
     texts, labels = load_rotten_tomatoes()
     assert len(texts) == len(set(texts)) == len(labels) > 12000
     assert set(labels.tolist()) == {0, 1}
+
+
+def _tiny_bert(attn_implementation: str):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, attn_implementation=attn_implementation)
+    return BertForSequenceClassification(config).eval()
+
+
+def _padded_batch():
+    input_ids = torch.randint(1, 50, (3, 12))
+    attention_mask = torch.ones(3, 12, dtype=torch.long)
+    attention_mask[0, 5:] = 0
+    attention_mask[2, 9:] = 0
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_bert_4d_attention_mask_gives_the_same_logits(attn_implementation):
+    from recipes.bert import encoder_attention_mask
+
+    net = _tiny_bert(attn_implementation)
+    input_ids, attention_mask = _padded_batch()
+    with torch.no_grad():
+        expected = net(input_ids=input_ids, attention_mask=attention_mask).logits
+        mask = encoder_attention_mask(attention_mask, attn_implementation, net.dtype)
+        actual = net(input_ids=input_ids, attention_mask=mask).logits
+    assert mask.shape == (3, 1, 1, 12)
+    torch.testing.assert_close(actual, expected)
+
+
+def test_bert_4d_attention_mask_does_not_read_the_device():
+    """transformers checks a 2-D padding mask with `.all()` on the host; the recipe's 4-D mask is never read."""
+    import torch_xla
+
+    from lightning_trn.runtime import get_runtime
+    from recipes.bert import encoder_attention_mask
+
+    device = torch_xla.device()
+    net = _tiny_bert("sdpa").to(device)
+    input_ids, attention_mask = (t.to(device) for t in _padded_batch())
+    torch_xla.sync()
+
+    def reads(make_mask) -> int:
+        before = get_runtime().metrics()
+        net(input_ids=input_ids, attention_mask=make_mask()).logits.sum()
+        after = get_runtime().metrics()
+        torch_xla.sync()
+        return (after - before).device_to_host + (after - before).scalar_reads
+
+    assert reads(lambda: attention_mask) > 0  # the stock 2-D path does read (what this test guards against)
+    assert reads(lambda: encoder_attention_mask(attention_mask, "sdpa", net.dtype)) == 0
