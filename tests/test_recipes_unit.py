@@ -1,4 +1,5 @@
-"""Fast tests of the recipe building blocks: patch embedding, padding, metric, BERT attention mask, config CLI, offline data."""
+"""Fast tests of the recipe building blocks: patch embedding, padding, metric, BERT attention mask, config CLI,
+offline data."""
 
 from __future__ import annotations
 
@@ -165,9 +166,9 @@ def test_bert_4d_attention_mask_does_not_read_the_device():
     def reads(make_mask) -> int:
         before = get_runtime().metrics()
         net(input_ids=input_ids, attention_mask=make_mask()).logits.sum()
-        after = get_runtime().metrics()
+        delta = get_runtime().metrics() - before
         torch_xla.sync()
-        return (after - before).device_to_host + (after - before).scalar_reads
+        return delta.device_to_host + delta.scalar_reads
 
     assert reads(lambda: attention_mask) > 0  # the stock 2-D path does read (what this test guards against)
     assert reads(lambda: encoder_attention_mask(attention_mask, "sdpa", net.dtype)) == 0
