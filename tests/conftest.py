@@ -45,3 +45,34 @@ def fake_neuron_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def no_neuron_host(fake_neuron_host):
     """A host with torch_xla installed but no Neuron devices and no `PJRT_DEVICE`."""
     return fake_neuron_host([])
+
+
+class RedrawClock:
+    """Stands in for the progress bars' `time` module; `advance_per_batch(seconds)` is a callback that moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance_per_batch(self, seconds: float):
+        from lightning.pytorch import Callback
+
+        clock = self
+
+        class AdvanceClock(Callback):
+            def on_train_batch_start(self, *args) -> None:
+                clock.now += seconds
+
+        return AdvanceClock()
+
+
+@pytest.fixture
+def redraw_clock(monkeypatch: pytest.MonkeyPatch) -> RedrawClock:
+    """A fake clock for the progress bars' redraw limit (`lightning_trn.callbacks.progress_bar`)."""
+    from lightning_trn.callbacks import progress_bar
+
+    clock = RedrawClock()
+    monkeypatch.setattr(progress_bar, "time", clock)
+    return clock

@@ -21,9 +21,11 @@ class CountersAtStep(Callback):
 
 
 @pytest.mark.parametrize("bar", [None, TQDMProgressBar(), RichProgressBar()], ids=["default", "tqdm", "rich"])
-def test_no_transfers_between_logging_steps(tmp_path, bar):
+def test_no_transfers_between_logging_steps(tmp_path, bar, redraw_clock):
     counters = CountersAtStep()
-    callbacks = [counters] + ([bar] if bar is not None else [])
+    # the bars redraw on a clock: every 2nd batch here (0.12 s >= 1/10 s), at steps 1, 3, ..., 9, 11, so the first
+    # redraw after logging step 10 falls inside the measured interval; the device must still be read only at step 10
+    callbacks = [counters, redraw_clock.advance_per_batch(0.06)] + ([bar] if bar is not None else [])
     trainer = Trainer(
         accelerator="neuron",
         max_steps=3 * LOG_EVERY,

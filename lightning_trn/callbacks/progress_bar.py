@@ -1,13 +1,17 @@
-"""Progress bars that read metrics from the device only every `log_every_n_steps` steps, not every batch.
+"""Progress bars that read metrics from the device only every `log_every_n_steps` steps, and redraw at most 10 times
+a second.
 
 Lightning's stock bars turn every `prog_bar=True` value into a Python number at each refresh: a device-to-host
 sync per step that stalls the XLA pipeline. These show the same metrics, refreshed at the logging interval and at
-epoch/validation ends.
+epoch/validation ends. The stock bars also redraw on every batch (TQDM) or up to 100 times a second (Rich, from a
+thread that holds the GIL while it renders). On XLA the host's Python time is what feeds the device, so a small
+model pays for every redraw; these redraw on a clock instead.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import time
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
@@ -18,10 +22,26 @@ _Metrics = dict[str, Union[int, str, float, dict[str, float]]]
 
 
 class HostSyncFreeMetricsMixin:
-    """`get_metrics` that reuses the last values between logging intervals instead of reading the device."""
+    """`get_metrics` that reuses the last values between logging intervals instead of reading the device, and a
+    clock that limits redraws to `max_redraws_per_second`."""
 
     _cached_metrics: Optional[_Metrics] = None
     _cached_step: int = -1
+    _last_redraw: float = float("-inf")
+
+    def __init__(self, *args: Any, max_redraws_per_second: float = 10.0, **kwargs: Any) -> None:
+        if max_redraws_per_second <= 0:
+            raise ValueError(f"max_redraws_per_second must be > 0, got {max_redraws_per_second}.")
+        self.max_redraws_per_second = max_redraws_per_second
+        super().__init__(*args, **kwargs)
+
+    def _redraw_due(self, last: bool = False) -> bool:
+        """True (and the clock restarts) if the last redraw is at least 1 / `max_redraws_per_second` ago, or `last`."""
+        now = time.monotonic()
+        if last or now - self._last_redraw >= 1.0 / self.max_redraws_per_second:
+            self._last_redraw = now
+            return True
+        return False
 
     def _refresh_due(self, trainer: pl.Trainer) -> bool:
         if self._cached_metrics is None or not trainer.training:
@@ -29,13 +49,22 @@ class HostSyncFreeMetricsMixin:
         interval = max(1, trainer.log_every_n_steps)  # refresh on the steps the logger reads the device anyway
         return trainer.global_step // interval != self._cached_step // interval
 
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> _Metrics:
+    def _read_metrics_if_due(self, trainer: pl.Trainer) -> None:
         if self._refresh_due(trainer):
             # Lightning's own conversion (not the one `_logging_hooks` defers): one `.item()` per value
             pbar = convert_tensors_to_scalars(dict(trainer.progress_bar_metrics))
             self._cached_metrics = {**get_standard_metrics(trainer), **pbar}
             self._cached_step = trainer.global_step
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> _Metrics:
+        self._read_metrics_if_due(trainer)
         return dict(self._cached_metrics or {})
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # read on the same steps whether or not this batch is drawn (the redraw clock must not decide when the device
+        # is read): the first batch, the logging steps, and the first batch after an epoch end
+        self._read_metrics_if_due(trainer)
+        super().on_train_batch_end(trainer, pl_module, *args)  # type: ignore[misc]
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._cached_metrics = None  # show the epoch's final values
@@ -47,11 +76,25 @@ class HostSyncFreeMetricsMixin:
 
 
 class NeuronTQDMProgressBar(HostSyncFreeMetricsMixin, TQDMProgressBar):
-    """`TQDMProgressBar` without a host sync per step."""
+    """`TQDMProgressBar` without a host sync per step; redraws every `refresh_rate` batches, at most
+    `max_redraws_per_second` times a second, and at each loop's last batch."""
+
+    def _should_update(self, current: int, total: Union[int, float]) -> bool:
+        return super()._should_update(current, total) and self._redraw_due(last=current == total)
 
 
 class NeuronRichProgressBar(HostSyncFreeMetricsMixin, RichProgressBar):
-    """`RichProgressBar` without a host sync per step."""
+    """`RichProgressBar` without a host sync per step; draws at most `max_redraws_per_second` times a second (hard
+    refreshes, and the final frame when the bar stops, are always drawn)."""
+
+    @property
+    def refresh_rate(self) -> float:
+        """Wake-ups per second of the render thread: each one takes the GIL from the training loop."""
+        return min(super().refresh_rate, self.max_redraws_per_second)
+
+    def refresh(self, hard: bool = False) -> None:
+        if hard or self._redraw_due():
+            super().refresh(hard=hard)
 
 
 def host_sync_free_replacement(progress_bar: object) -> Optional[HostSyncFreeMetricsMixin]:

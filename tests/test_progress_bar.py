@@ -1,0 +1,65 @@
+"""The Neuron progress bars redraw on a clock (at most `max_redraws_per_second`), not on every batch.
+
+Every redraw is host Python time (and, for Rich, a render thread taking the GIL), which an XLA training loop pays
+directly; Lightning's stock bars redraw every batch (TQDM) or up to 100 times a second (Rich).
+"""
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress import rich_progress, tqdm_progress
+
+from lightning_trn.callbacks.progress_bar import NeuronRichProgressBar, NeuronTQDMProgressBar
+from models import RegressionModel
+
+BATCHES = 32  # `regression_loader()`: 512 rows in batches of 16
+STEP_SECONDS = 0.01  # the fake clock advances this much per batch: 100 steps/s
+
+
+def fit_one_epoch(tmp_path, bar, redraw_clock) -> Trainer:
+    trainer = Trainer(accelerator="neuron", max_epochs=1, default_root_dir=tmp_path, logger=False,
+                      enable_checkpointing=False, callbacks=[bar, redraw_clock.advance_per_batch(STEP_SECONDS)])
+    trainer.fit(RegressionModel())
+    return trainer
+
+
+@pytest.mark.parametrize("bar_class", [NeuronTQDMProgressBar, TQDMProgressBar])
+def test_tqdm_bar_redraws_on_the_clock_and_at_the_last_batch(tmp_path, monkeypatch, redraw_clock, bar_class):
+    drawn = []
+    real_update_n = tqdm_progress._update_n
+    monkeypatch.setattr(tqdm_progress, "_update_n", lambda bar, n: drawn.append(n) or real_update_n(bar, n))
+
+    trainer = fit_one_epoch(tmp_path, bar_class(), redraw_clock)
+
+    assert isinstance(trainer.progress_bar_callback, NeuronTQDMProgressBar)  # the stock bar is replaced
+    # 32 batches at 100 steps/s = 0.32 s: about 4 redraws at 10 per second, plus the last batch (stock: 32)
+    assert drawn[-1] == BATCHES
+    assert 3 <= len(drawn) <= 6, drawn
+
+
+def test_rich_bar_thread_wakes_and_draws_at_most_max_redraws_per_second(tmp_path, monkeypatch, redraw_clock):
+    soft_refreshes = []
+    real_soft_refresh = rich_progress.CustomProgress.soft_refresh
+    monkeypatch.setattr(rich_progress.CustomProgress, "soft_refresh",
+                        lambda self: soft_refreshes.append(1) or real_soft_refresh(self))
+
+    trainer = fit_one_epoch(tmp_path, RichProgressBar(), redraw_clock)  # stock bar, refresh_rate=100: replaced
+
+    bar = trainer.progress_bar_callback
+    assert isinstance(bar, NeuronRichProgressBar)
+    assert bar.refresh_rate == 10  # the render thread's wake-ups per second (the stock bar's 100 is capped)
+    # one redraw request per 0.1 s of the fake clock (0.32 s in all) plus the first, instead of several per batch
+    assert 2 <= len(soft_refreshes) <= 5, len(soft_refreshes)
+
+
+def test_redraw_rate_is_configurable_and_validated(redraw_clock):
+    bar = NeuronTQDMProgressBar(max_redraws_per_second=2)
+    assert bar._redraw_due()
+    redraw_clock.now += 0.4
+    assert not bar._redraw_due()
+    assert bar._redraw_due(last=True)  # a loop's last batch is always drawn
+    redraw_clock.now += 0.5
+    assert bar._redraw_due()
+    assert NeuronRichProgressBar(refresh_rate=3).refresh_rate == 3  # below the cap: the user's rate
+    with pytest.raises(ValueError, match="max_redraws_per_second"):
+        NeuronRichProgressBar(max_redraws_per_second=0)
