@@ -18,7 +18,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from packaging.version import Version
 
-from lightning_trn._logging_hooks import install_deferred_metrics_hook, install_result_move_shortcut
+from lightning_trn._logging_hooks import (
+    install_deferred_metrics_hook,
+    install_log_fast_path,
+    install_result_move_shortcut,
+)
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.plugins.precision import NeuronPrecision
 from lightning_trn.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
@@ -92,3 +96,4 @@ def register() -> None:
     if _install_connector_hooks():
         install_deferred_metrics_hook()
         install_result_move_shortcut()
+        install_log_fast_path()

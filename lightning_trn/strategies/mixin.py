@@ -30,6 +30,8 @@ class NeuronStrategyMixin:
     _checkpoint_io: Optional[CheckpointIO]
     #: read by `lightning_trn._logging_hooks`: leave `prog_bar=True` values as tensors instead of syncing per step
     defer_progress_bar_metrics: bool = False
+    #: read by `lightning_trn._logging_hooks`: repeated `self.log` calls update Lightning's stored result directly
+    fast_log: bool = True
     _precision_plugin: Optional[Precision]
 
     @property
