@@ -4,6 +4,9 @@
 - `run_baseline`: the hand-written torch_xla loop on the same module, data, batch and device: `MpDeviceLoader`, the
   module's own `training_step`, `loss.backward()`, `xm.optimizer_step(opt)`, one `torch_xla.sync()` per step.
 
+Both also run on the CPU (`accelerator="cpu"`: stock Lightning, and a plain PyTorch loop), to measure what
+Lightning's own loop costs per step without lightning_trn or XLA in it.
+
 Both time only steady-state steps: the clock starts at the first step after `warmup` (once the device is idle) and
 stops after the last step once the device finished (`xm.wait_device_ops()`, which waits without cutting a graph).
 """
@@ -20,7 +23,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -179,12 +182,17 @@ class _ClockCallback(pl.Callback):
 
 
 def run_plugin(
-    workload: Workload, record_steps: bool = False, bar_and_logger: bool = True, module_logging: bool = True
+    workload: Workload,
+    record_steps: bool = False,
+    bar_and_logger: bool = True,
+    module_logging: bool = True,
+    accelerator: str = "neuron",
 ) -> Measurement:
     """`Trainer(accelerator="neuron")`, CSVLogger + default progress bar, no checkpointing, no validation.
 
     For a breakdown of the per-step cost: `bar_and_logger=False` turns the progress bar and the logger off,
-    `module_logging=False` makes the module's `self.log` a no-op (as in the hand-written loop).
+    `module_logging=False` makes the module's `self.log` a no-op (as in the hand-written loop), and
+    `accelerator="cpu"` runs stock Lightning on the CPU instead (no lightning_trn code in the loop).
     """
     _, loader = config_and_loader(workload)
     module = fresh_module(workload)
@@ -193,7 +201,7 @@ def run_plugin(
     clock = StepClock(workload.warmup, workload.steps, record_steps)
     with tempfile.TemporaryDirectory() as out:
         trainer = pl.Trainer(
-            accelerator="neuron",
+            accelerator=accelerator,
             devices=1,
             max_epochs=-1,
             max_steps=workload.warmup + workload.steps,
@@ -220,18 +228,37 @@ def _device_batches(loader: DataLoader, device: torch.device) -> Iterator[Any]:
         yield from MpDeviceLoader(loader, device)
 
 
-def run_baseline(workload: Workload, record_steps: bool = False) -> Measurement:
-    """The hand-written torch_xla loop around the module's own `training_step` (its `self.log` is a no-op here)."""
-    import torch_xla
-    import torch_xla.core.xla_model as xm
+def _host_batches(loader: DataLoader) -> Iterator[Any]:
+    while True:
+        yield from loader
 
+
+def run_baseline(workload: Workload, record_steps: bool = False, accelerator: str = "neuron") -> Measurement:
+    """The hand-written torch_xla loop around the module's own `training_step` (its `self.log` is a no-op here);
+    with `accelerator="cpu"`, the plain PyTorch loop on the CPU (`optimizer.step()`, no device, no sync)."""
     _, loader = config_and_loader(workload)
-    device = torch_xla.device()
-    module = fresh_module(workload).to(device)
+    module = fresh_module(workload)
+    optimizer_step: Callable[[torch.optim.Optimizer], Any]
+    if accelerator == "cpu":
+        batches = _host_batches(loader)
+
+        def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+            optimizer.step()
+    else:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        device = torch_xla.device()
+        module.to(device)
+        batches = _device_batches(loader, device)
+
+        def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+            xm.optimizer_step(optimizer)
+            torch_xla.sync()
+
     module.train()
     optimizer = module.configure_optimizers()
     clock = StepClock(workload.warmup, workload.steps, record_steps)
-    batches = _device_batches(loader, device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*self.log.*")  # "no Trainer reference": the log is skipped
         for index in range(workload.warmup + workload.steps):
@@ -240,8 +267,7 @@ def run_baseline(workload: Workload, record_steps: bool = False) -> Measurement:
             optimizer.zero_grad()
             loss = module.training_step(batch, index)
             loss.backward()
-            xm.optimizer_step(optimizer)
-            torch_xla.sync()
+            optimizer_step(optimizer)
     clock.finish()
     del module, optimizer, batches
     gc.collect()

@@ -1,19 +1,23 @@
 """Steps/s of `Trainer(accelerator="neuron")` against a hand-written torch_xla loop, side by side, per recipe.
 
 `PJRT_DEVICE=CPU python -m benchmarks.overhead [--workloads mlp vit bert] [--repeats 3] [--steps N] [--warmup N]
-[--breakdown]`
+[--breakdown [--lightning-on-cpu]]`
 
 Runs alternate (plugin, hand-written, plugin, ...) so that load from other processes hits both sides alike; the
-figure is the ratio of the median steps/s, plugin / hand-written (target >= 0.97). The CPU-time ratio (hand-written /
-plugin CPU time per step, all threads of this process) is the same comparison, less disturbed by other processes
-on a shared machine (on XLA:CPU the device is the host CPU). The plugin side has a CSVLogger
-and the default progress bar on (it draws on the terminal between the figures), checkpointing and validation off.
+figure is the median over the repeats of plugin / hand-written steps/s, each repeat's pair run back to back (target
+>= 0.97): on a shared VM the speed of the same loop drifts by 20-40% over minutes, which pairs of adjacent runs
+cancel. The CPU-time ratio (hand-written / plugin CPU time per step, all threads of this process) is the same
+comparison, less disturbed by other processes on a shared machine (on XLA:CPU the device is the host CPU). The
+plugin side has a CSVLogger and the default progress bar on (it draws on the terminal between the figures),
+checkpointing and validation off.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
+from typing import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python benchmarks/overhead.py`: make the repo root importable
@@ -21,6 +25,7 @@ if __package__ in (None, ""):  # `python benchmarks/overhead.py`: make the repo 
 
 from benchmarks._harness import (  # noqa: E402
     Measurement,
+    Workload,
     add_workload_args,
     describe_machine,
     format_table,
@@ -31,13 +36,33 @@ from benchmarks._harness import (  # noqa: E402
 )
 
 TARGET = 0.97
+FLOOR = "plugin, no bar/logger, self.log no-op"
+CPU_FLOOR = "Lightning on CPU, no bar/logger, self.log no-op"
+CPU_BASELINE = "hand-written on CPU"
 
 
-#: `--breakdown`: plugin variants run after each plugin/hand-written pair, as `run_plugin` keyword arguments
-BREAKDOWN = {
-    "plugin, no bar/logger": {"bar_and_logger": False},
-    "plugin, no bar/logger, self.log no-op": {"bar_and_logger": False, "module_logging": False},
+def paired_ratio(
+    runs: list[Measurement], baseline: list[Measurement], rate: Callable[[Measurement], float] = lambda m: m.steps_per_s
+) -> float:
+    """Median over the repeats of `rate(run) / rate(baseline run of the same repeat)`."""
+    return median([rate(run) / rate(base) for run, base in zip(runs, baseline)])
+
+
+#: `--breakdown`: plugin variants run after each plugin/hand-written pair
+BREAKDOWN: dict[str, Callable[[Workload], Measurement]] = {
+    "plugin, no bar/logger": partial(run_plugin, bar_and_logger=False),
+    FLOOR: partial(run_plugin, bar_and_logger=False, module_logging=False),
 }
+#: `--lightning-on-cpu`: the floor of `BREAKDOWN` in stock Lightning on the CPU accelerator, and its baseline
+CPU_REFERENCE: dict[str, Callable[[Workload], Measurement]] = {
+    CPU_FLOOR: partial(run_plugin, bar_and_logger=False, module_logging=False, accelerator="cpu"),
+    CPU_BASELINE: partial(run_baseline, accelerator="cpu"),
+}
+
+
+def extra_ms_per_step(runs: list[Measurement], baseline: list[Measurement]) -> float:
+    """Median over the repeats of the wall time per step `runs` take beyond the same repeat's `baseline` run."""
+    return median([1e3 / run.steps_per_s - 1e3 / base.steps_per_s for run, base in zip(runs, baseline)])
 
 
 def main(argv: list[str] | None = None) -> list[list[object]]:
@@ -46,32 +71,45 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the plugin " + " and ".join(f"'{name}'" for name in BREAKDOWN)
                              + ", to see where the per-step cost goes")
+    parser.add_argument("--lightning-on-cpu", action="store_true",
+                        help=f"with --breakdown: also time '{CPU_FLOOR}' against '{CPU_BASELINE}', what Lightning's "
+                             "own loop costs per step with neither lightning_trn nor XLA in it")
     args = parser.parse_args(argv)
-    variants = {"plugin": {}, "hand-written": None, **(BREAKDOWN if args.breakdown else {})}
+    variants: dict[str, Callable[[Workload], Measurement]] = {"plugin": run_plugin, "hand-written": run_baseline}
+    if args.breakdown:
+        variants.update(BREAKDOWN)
+        if args.lightning_on_cpu:
+            variants.update(CPU_REFERENCE)
     rows = []
     for workload in selected_workloads(args):
         runs: dict[str, list[Measurement]] = {name: [] for name in variants}
         for repeat in range(args.repeats):  # alternate: plugin, hand-written, [variants], plugin, ...
-            for name, kwargs in variants.items():
-                runs[name].append(run_baseline(workload) if kwargs is None else run_plugin(workload, **kwargs))
+            for name, run in variants.items():
+                runs[name].append(run(workload))
             print(f"[{workload.name}] repeat {repeat + 1}/{args.repeats}: " + ", ".join(
                 f"{name} {r[-1].steps_per_s:.3g} steps/s ({r[-1].cpu_ms_per_step:.3g} CPU ms/step)"
                 for name, r in runs.items()), flush=True)
         rate = {name: median([m.steps_per_s for m in r]) for name, r in runs.items()}
         cpu = {name: median([m.cpu_ms_per_step for m in r]) for name, r in runs.items()}
-        ratio = rate["plugin"] / rate["hand-written"]
+        ratio = {name: paired_ratio(r, runs["hand-written"]) for name, r in runs.items()}
+        cpu_ratio = paired_ratio(runs["plugin"], runs["hand-written"], lambda m: 1 / m.cpu_ms_per_step)
         compiles = max(m.window.compiles for r in runs.values() for m in r)
-        extra = [f"{rate[name]:.3g} ({rate[name] / rate['hand-written']:.3f}), {cpu[name]:.3g} ms"
-                 for name in BREAKDOWN if name in rate]
+        extra = [f"{rate[name]:.3g} ({ratio[name]:.3f}), {cpu[name]:.3g} ms" for name in BREAKDOWN if name in rate]
+        if CPU_FLOOR in runs:
+            extra += [f"{extra_ms_per_step(runs[FLOOR], runs['hand-written']):.3g}",
+                      f"{extra_ms_per_step(runs[CPU_FLOOR], runs[CPU_BASELINE]):.3g}"]
         rows.append([workload.name, f"{workload.warmup} + {workload.steps}", args.repeats, f"{rate['plugin']:.3g}",
-                     f"{rate['hand-written']:.3g}", f"{ratio:.3f}", "yes" if ratio >= TARGET else "no",
-                     f"{cpu['plugin']:.3g}", f"{cpu['hand-written']:.3g}", f"{cpu['hand-written'] / cpu['plugin']:.3f}",
-                     *extra, compiles])
+                     f"{rate['hand-written']:.3g}", f"{ratio['plugin']:.3f}",
+                     "yes" if ratio["plugin"] >= TARGET else "no", f"{cpu['plugin']:.3g}",
+                     f"{cpu['hand-written']:.3g}", f"{cpu_ratio:.3f}", *extra, compiles])
     print()
     print(describe_machine())
-    header = ["workload", "warm-up + timed steps", "runs/side", "plugin steps/s", "hand-written steps/s",
-              "ratio", f">= {TARGET}", "plugin CPU ms/step", "hand-written CPU ms/step", "CPU-time ratio"]
+    header = ["workload", "warm-up + timed steps", "runs/side", "plugin steps/s (median)",
+              "hand-written steps/s (median)", "ratio (median of pairs)", f">= {TARGET}", "plugin CPU ms/step",
+              "hand-written CPU ms/step", "CPU-time ratio"]
     header += [f"{name}: steps/s (ratio), CPU ms/step" for name in BREAKDOWN if args.breakdown]
+    if args.breakdown and args.lightning_on_cpu:
+        header += ["loop floor on XLA: ms/step over hand-written", "loop floor on CPU: ms/step over hand-written"]
     print(format_table([*header, "compiles while timed (max)"], rows))
     return rows
 
