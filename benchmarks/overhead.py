@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 from functools import partial
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 if __package__ in (None, ""):  # `python benchmarks/overhead.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,11 +41,25 @@ CPU_FLOOR = "Lightning on CPU, no bar/logger, self.log no-op"
 CPU_BASELINE = "hand-written on CPU"
 
 
-def paired_ratio(
-    runs: list[Measurement], baseline: list[Measurement], rate: Callable[[Measurement], float] = lambda m: m.steps_per_s
+def paired(
+    runs: list[Measurement], baseline: list[Measurement], compare: Callable[[Measurement, Measurement], float]
 ) -> float:
-    """Median over the repeats of `rate(run) / rate(baseline run of the same repeat)`."""
-    return median([rate(run) / rate(base) for run, base in zip(runs, baseline)])
+    """Median over the repeats of `compare(run, baseline run of the same repeat)`."""
+    return median([compare(run, base) for run, base in zip(runs, baseline)])
+
+
+def speed_ratio(run: Measurement, base: Measurement) -> float:
+    return run.steps_per_s / base.steps_per_s
+
+
+def cpu_time_ratio(run: Measurement, base: Measurement) -> float:
+    """Baseline / run CPU time per step: higher is better, like `speed_ratio`."""
+    return base.cpu_ms_per_step / run.cpu_ms_per_step
+
+
+def extra_ms_per_step(run: Measurement, base: Measurement) -> float:
+    """The wall time per step `run` takes beyond `base`."""
+    return 1e3 / run.steps_per_s - 1e3 / base.steps_per_s
 
 
 #: `--breakdown`: plugin variants run after each plugin/hand-written pair
@@ -59,10 +73,6 @@ CPU_REFERENCE: dict[str, Callable[[Workload], Measurement]] = {
     CPU_BASELINE: partial(run_baseline, accelerator="cpu"),
 }
 
-
-def extra_ms_per_step(runs: list[Measurement], baseline: list[Measurement]) -> float:
-    """Median over the repeats of the wall time per step `runs` take beyond the same repeat's `baseline` run."""
-    return median([1e3 / run.steps_per_s - 1e3 / base.steps_per_s for run, base in zip(runs, baseline)])
 
 
 def main(argv: list[str] | None = None) -> list[list[object]]:
@@ -91,13 +101,13 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
                 for name, r in runs.items()), flush=True)
         rate = {name: median([m.steps_per_s for m in r]) for name, r in runs.items()}
         cpu = {name: median([m.cpu_ms_per_step for m in r]) for name, r in runs.items()}
-        ratio = {name: paired_ratio(r, runs["hand-written"]) for name, r in runs.items()}
-        cpu_ratio = paired_ratio(runs["plugin"], runs["hand-written"], lambda m: 1 / m.cpu_ms_per_step)
+        ratio = {name: paired(r, runs["hand-written"], speed_ratio) for name, r in runs.items()}
+        cpu_ratio = paired(runs["plugin"], runs["hand-written"], cpu_time_ratio)
         compiles = max(m.window.compiles for r in runs.values() for m in r)
         extra = [f"{rate[name]:.3g} ({ratio[name]:.3f}), {cpu[name]:.3g} ms" for name in BREAKDOWN if name in rate]
         if CPU_FLOOR in runs:
-            extra += [f"{extra_ms_per_step(runs[FLOOR], runs['hand-written']):.3g}",
-                      f"{extra_ms_per_step(runs[CPU_FLOOR], runs[CPU_BASELINE]):.3g}"]
+            extra += [f"{paired(runs[FLOOR], runs['hand-written'], extra_ms_per_step):.3g}",
+                      f"{paired(runs[CPU_FLOOR], runs[CPU_BASELINE], extra_ms_per_step):.3g}"]
         rows.append([workload.name, f"{workload.warmup} + {workload.steps}", args.repeats, f"{rate['plugin']:.3g}",
                      f"{rate['hand-written']:.3g}", f"{ratio['plugin']:.3f}",
                      "yes" if ratio["plugin"] >= TARGET else "no", f"{cpu['plugin']:.3g}",

@@ -32,6 +32,8 @@ from lightning.pytorch.trainer.connectors.logger_connector import logger_connect
 from torchmetrics import Metric
 
 _DEFER_CONVERSION: ContextVar[bool] = ContextVar("lightning_trn_defer_pbar_conversion", default=False)
+#: `_ResultMetric` attribute: the XLA device its last move went to (None after a move anywhere else)
+_MOVED_TO = "_lightning_trn_device"
 
 
 def install_deferred_metrics_hook() -> bool:
@@ -75,12 +77,12 @@ def install_result_move_shortcut() -> bool:
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         device = args[0] if len(args) == 1 and not kwargs else None
         if isinstance(device, torch.device) and device.type == "xla":
-            if self.__dict__.get("_lightning_trn_device") == device:
+            if self.__dict__.get(_MOVED_TO) == device:
                 return self
             moved = move(self, *args, **kwargs)
-            object.__setattr__(self, "_lightning_trn_device", device)
+            object.__setattr__(self, _MOVED_TO, device)
             return moved
-        object.__setattr__(self, "_lightning_trn_device", None)  # moved elsewhere, or by other arguments
+        object.__setattr__(self, _MOVED_TO, None)  # moved elsewhere, or by other arguments
         return move(self, *args, **kwargs)
 
     result_metric.to = to
@@ -123,12 +125,12 @@ def _storage_key(fx: str, name: str, results: Any, options: dict[str, Any]) -> s
 def _update_stored(stored: _StoredLog, value: Any, results: Any, batch_size: Optional[int]) -> bool:
     """Update an already validated result as Lightning would; False if it cannot be done here (then Lightning logs)."""
     result_metric = stored.result_metric
-    device = result_metric.__dict__.get("_lightning_trn_device")  # set by the `_ResultMetric.to` shortcut
+    device = result_metric.__dict__.get(_MOVED_TO)  # set by the `_ResultMetric.to` shortcut
     if isinstance(value, torch.Tensor):
         if not result_metric.is_tensor or value.device != device or value.numel() != 1:
             return False
         value = value.clone().detach().squeeze()  # `LightningModule.__to_tensor`
-    elif value is not result_metric.value or device is None or value.device != device:
+    elif value is not result_metric.value or value.device != device:
         return False
     batch_size = results._extract_batch_size(result_metric, batch_size, result_metric.meta)
     result_metric.forward(value, batch_size)  # `_ResultCollection.update_metrics`
