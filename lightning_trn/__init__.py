@@ -2,7 +2,13 @@
 
 `import lightning_trn` registers `accelerator="neuron"` and the Neuron strategies with Lightning.
 torch_xla is only imported when a Neuron/XLA feature is used, so checkpoints load on machines without it.
+With `LIGHTNING_TRN_STANDIN=1` it first loads the CPU stand-in for the native `neuron` device (development only).
 """
+
+import os as _os
+
+if _os.environ.get("LIGHTNING_TRN_STANDIN", "").strip().lower() in ("1", "true", "yes"):
+    import lightning_trn.standin  # noqa: F401
 
 from lightning_trn._registration import register
 from lightning_trn.accelerator import NeuronAccelerator

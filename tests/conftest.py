@@ -1,11 +1,18 @@
-"""Test configuration: everything runs on XLA:CPU (`PJRT_DEVICE=CPU`), as the README's test command does."""
+"""Test configuration: everything runs on XLA:CPU (`PJRT_DEVICE=CPU`), as the README's test command does.
 
+`tests/standin/` is the native suite: it runs in the native environment (`.venv-native/`, torch 2.13, no torch_xla;
+`scripts/test.sh` runs it there) and is not collected in the XLA one.
+"""
+
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+collect_ignore = ["standin"] if importlib.util.find_spec("torch_xla") is not None else []
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,126 @@
+"""A CPU stand-in for TorchNeuron's native `neuron` device: develop and test Trn2/Trn3 code without hardware.
+
+`import lightning_trn.standin` (or `LIGHTNING_TRN_STANDIN=1` before `import lightning_trn`) compiles a small C++
+PrivateUse1 extension once, names the device `neuron`, registers `torch.neuron`, autocast for the device and a
+`neuron` process-group backend. Then `torch.randn(2, device="neuron")`, `torch.autocast("neuron")` and
+`dist.init_process_group("neuron")` work on any Linux machine with torch 2.13 and a C++ compiler.
+
+It is a development tool, never loaded on a real Neuron host. It differs from the real device: it runs every op
+at once with exact CPU math and every dtype, where TorchNeuron compiles, runs asynchronously and has op-coverage
+gaps. What it does prove: device placement, dtypes under autocast, device->host reads (counted, and refused in
+`strict()` mode), which ops a real device would have to support (`fallback_counts()`), and distributed plumbing.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from lightning_trn.standin._build import StandinError
+
+#: Environment variable: how many `neuron` devices the stand-in offers (default 1).
+DEVICES_ENV = "LIGHTNING_TRN_STANDIN_DEVICES"
+
+_ext: Optional[ModuleType] = None
+
+
+def _refuse_on_neuron_host() -> None:
+    backend = torch._C._get_privateuse1_backend_name()
+    if backend != "privateuseone":
+        raise StandinError(
+            f"lightning_trn.standin cannot load: torch's custom device is already registered as {backend!r} "
+            "(on a Neuron host TorchNeuron registers `neuron` itself). The stand-in is for machines without "
+            "Trainium; unset LIGHTNING_TRN_STANDIN and use the real device."
+        )
+    if importlib.util.find_spec("torch_neuronx") is not None or glob.glob("/dev/neuron[0-9]*"):
+        raise StandinError(
+            "lightning_trn.standin refuses to load on a Neuron host (torch-neuronx is installed or /dev/neuron* "
+            "exists): it would shadow the real `neuron` device. Unset LIGHTNING_TRN_STANDIN and use TorchNeuron."
+        )
+
+
+def _device_count() -> int:
+    value = os.environ.get(DEVICES_ENV, "1")
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 64:
+        raise StandinError(
+            f"lightning_trn.standin: {DEVICES_ENV}={value!r} is not a device count. Set it to a whole number of "
+            "devices from 1 to 64 (default 1), or unset it."
+        )
+    return count
+
+
+def load() -> ModuleType:
+    """Build (first time only) and install the stand-in; returns the `torch.neuron` module. Idempotent."""
+    global _ext
+    if _ext is not None:
+        return torch.neuron
+    _refuse_on_neuron_host()
+    count = _device_count()
+    from lightning_trn.standin import _build, device, distributed
+
+    ext = _build.build()
+    ext.set_device_count(count)
+    ext.register_hooks()
+    torch.utils.rename_privateuse1_backend("neuron")
+    device._ext = ext
+    torch._register_device_module("neuron", device)
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+    distributed.register(ext)
+    _ext = ext
+    return torch.neuron
+
+
+def is_loaded() -> bool:
+    """Whether this process runs the stand-in as its `neuron` device."""
+    return _ext is not None
+
+
+def _loaded() -> ModuleType:
+    if _ext is None:
+        raise StandinError("The neuron stand-in is not loaded: call lightning_trn.standin.load() first.")
+    return _ext
+
+
+def counters() -> dict[str, int]:
+    """Device->host copies, host->device copies and scalar reads (`.item()`) since the last reset.
+
+    The fallback's own copies are not counted: a real device would run those ops where the data is.
+    """
+    return _loaded().counters()
+
+
+def fallback_counts() -> dict[str, int]:
+    """Ops served by the CPU fallback since the last reset, by name (`aten::add.Tensor`): the ops the stand-in
+    runs on the host, to check against the ops TorchNeuron supports."""
+    return dict(_loaded().fallback_counts())
+
+
+def reset_counters() -> None:
+    _loaded().reset_counters()
+
+
+@contextmanager
+def strict() -> Iterator[None]:
+    """Raise on any device->host read (`.item()`, `.cpu()`, printing, `if tensor:`) inside the block."""
+    ext = _loaded()
+    previous = ext.set_strict(True)
+    try:
+        yield
+    finally:
+        ext.set_strict(previous)
+
+
+__all__ = ["StandinError", "counters", "fallback_counts", "is_loaded", "load", "reset_counters", "strict"]
+
+load()

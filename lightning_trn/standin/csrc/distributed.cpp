@@ -1,0 +1,269 @@
+// The stand-in's `neuron` process-group backend: a C++ c10d::Backend, so that DDP, functional collectives,
+// DTensor and FSDP2 (which dispatch collectives from C++) all reach it.
+//
+// It runs each collective with a gloo backend (created in Python: torch ships no gloo headers) on zero-copy CPU
+// aliases of the device tensors, waits for it, and returns a completed Work whose results are the device tensors;
+// point-to-point ops return pending work instead (a send completes when its peer receives).
+// No data is copied between device and host: as on a real device, collectives do not read the device from the host.
+#include "standin.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace standin {
+namespace {
+
+using c10d::OpType;
+using Tensors = std::vector<at::Tensor>;
+using TensorLists = std::vector<Tensors>;
+
+Tensors aliases(const Tensors& tensors) {
+  Tensors out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(host_alias(t));
+  return out;
+}
+
+TensorLists aliases(const TensorLists& lists) {
+  TensorLists out;
+  out.reserve(lists.size());
+  for (const auto& list : lists) out.push_back(aliases(list));
+  return out;
+}
+
+// A finished collective: `wait()` returns at once, the future holds the device tensors it wrote.
+class DoneWork final : public c10d::Work {
+ public:
+  DoneWork(Tensors outputs, OpType type)
+      : c10d::Work(-1, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  Tensors result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  Tensors outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+c10::intrusive_ptr<c10d::Work> done(const c10::intrusive_ptr<c10d::Work>& work, Tensors outputs, OpType type) {
+  work->wait();
+  return c10::make_intrusive<DoneWork>(std::move(outputs), type);
+}
+
+// A point-to-point op in flight (a send completes only when its peer receives): waits on gloo's work, keeping
+// the device tensors whose memory it reads or writes alive until then.
+class PendingWork final : public c10d::Work {
+ public:
+  PendingWork(c10::intrusive_ptr<c10d::Work> inner, Tensors tensors, OpType type)
+      : c10d::Work(-1, type), inner_(std::move(inner)), tensors_(std::move(tensors)) {}
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  bool wait(std::chrono::milliseconds timeout) override { return inner_->wait(timeout); }
+  void abort() override { inner_->abort(); }
+  Tensors result() override { return tensors_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  Tensors tensors_;
+};
+
+c10::intrusive_ptr<c10d::Work> pending(c10::intrusive_ptr<c10d::Work> work, Tensors tensors, OpType type) {
+  return c10::make_intrusive<PendingWork>(std::move(work), std::move(tensors), type);
+}
+
+Tensors flat(const TensorLists& lists) {
+  Tensors out;
+  for (const auto& list : lists) out.insert(out.end(), list.begin(), list.end());
+  return out;
+}
+
+// gloo has no integer AVG: reduce with SUM, then divide the results by the group size.
+template <typename Options>
+bool sum_for_avg(Options& opts) {
+  if (opts.reduceOp != c10d::ReduceOp::AVG) return false;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  return true;
+}
+
+void divide(const Tensors& host_outputs, int size) {
+  for (const auto& t : host_outputs) {
+    if (t.is_floating_point() || t.is_complex()) {
+      t.div_(size);
+    } else {  // integers average with truncation, as NCCL's ncclAvg does
+      t.div_(size, "trunc");
+    }
+  }
+}
+
+class NeuronBackend final : public c10d::Backend {
+ public:
+  explicit NeuronBackend(c10::intrusive_ptr<c10d::Backend> gloo)
+      : c10d::Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)) {}
+
+  const std::string getBackendName() const override { return "neuron"; }
+
+  // Every collective has finished when it returns, so a coalesced block has nothing left to run at its end.
+  void startCoalescing() override {}
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    return c10::make_intrusive<DoneWork>(Tensors{}, OpType::COALESCED);
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override {
+    auto host = aliases(tensors);
+    return done(gloo_->broadcast(host, opts), tensors, OpType::BROADCAST);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) override {
+    auto host = aliases(tensors);
+    auto sum_opts = opts;
+    const bool avg = sum_for_avg(sum_opts);
+    auto work = done(gloo_->allreduce(host, sum_opts), tensors, OpType::ALLREDUCE);
+    if (avg) divide(host, getSize());
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(Tensors& tensors,
+                                                      const c10d::AllreduceCoalescedOptions& opts) override {
+    auto host = aliases(tensors);
+    auto sum_opts = opts;
+    const bool avg = sum_for_avg(sum_opts);
+    auto work = done(gloo_->allreduce_coalesced(host, sum_opts), tensors, OpType::ALLREDUCE_COALESCED);
+    if (avg) divide(host, getSize());
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override {
+    auto host = aliases(tensors);
+    auto sum_opts = opts;
+    const bool avg = sum_for_avg(sum_opts);
+    auto work = done(gloo_->reduce(host, sum_opts), tensors, OpType::REDUCE);
+    if (avg && getRank() == opts.rootRank) divide(host, getSize());
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(TensorLists& outputs, Tensors& inputs,
+                                            const c10d::AllgatherOptions& opts) override {
+    auto host_out = aliases(outputs);
+    auto host_in = aliases(inputs);
+    return done(gloo_->allgather(host_out, host_in, opts), flat(outputs), OpType::ALLGATHER);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                  const c10d::AllgatherOptions& opts) override {
+    auto host_out = host_alias(output);
+    auto host_in = host_alias(input);
+    return done(gloo_->_allgather_base(host_out, host_in, opts), {output}, OpType::_ALLGATHER_BASE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                                                  const c10d::AllgatherOptions& opts) override {
+    auto host_out = aliases(outputs);
+    auto host_in = aliases(inputs);
+    return done(gloo_->allgather_into_tensor_coalesced(host_out, host_in, opts), outputs, OpType::COALESCED);
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(TensorLists& outputs, Tensors& inputs,
+                                         const c10d::GatherOptions& opts) override {
+    auto host_out = aliases(outputs);
+    auto host_in = aliases(inputs);
+    return done(gloo_->gather(host_out, host_in, opts), flat(outputs), OpType::GATHER);
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(Tensors& outputs, TensorLists& inputs,
+                                          const c10d::ScatterOptions& opts) override {
+    auto host_out = aliases(outputs);
+    auto host_in = aliases(inputs);
+    return done(gloo_->scatter(host_out, host_in, opts), outputs, OpType::SCATTER);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(Tensors& outputs, TensorLists& inputs,
+                                                 const c10d::ReduceScatterOptions& opts) override {
+    auto host_out = aliases(outputs);
+    auto host_in = aliases(inputs);
+    auto sum_opts = opts;
+    const bool avg = sum_for_avg(sum_opts);
+    auto work = done(gloo_->reduce_scatter(host_out, host_in, sum_opts), outputs, OpType::REDUCE_SCATTER);
+    if (avg) divide(host_out, getSize());
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    auto host_out = host_alias(output);
+    auto host_in = host_alias(input);
+    auto sum_opts = opts;
+    const bool avg = sum_for_avg(sum_opts);
+    auto work = done(gloo_->_reduce_scatter_base(host_out, host_in, sum_opts), {output}, OpType::_REDUCE_SCATTER_BASE);
+    if (avg) divide({host_out}, getSize());
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                                                  const c10d::ReduceScatterOptions& opts) override {
+    auto host_out = aliases(outputs);
+    auto host_in = aliases(inputs);
+    auto sum_opts = opts;
+    const bool avg = sum_for_avg(sum_opts);
+    auto work = done(gloo_->reduce_scatter_tensor_coalesced(host_out, host_in, sum_opts), outputs, OpType::COALESCED);
+    if (avg) divide(host_out, getSize());
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& out_splits,
+                                                std::vector<int64_t>& in_splits,
+                                                const c10d::AllToAllOptions& opts) override {
+    auto host_out = host_alias(output);
+    auto host_in = host_alias(input);
+    return done(gloo_->alltoall_base(host_out, host_in, out_splits, in_splits, opts), {output}, OpType::ALLTOALL_BASE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(Tensors& outputs, Tensors& inputs,
+                                           const c10d::AllToAllOptions& opts) override {
+    auto host_out = aliases(outputs);
+    auto host_in = aliases(inputs);
+    return done(gloo_->alltoall(host_out, host_in, opts), outputs, OpType::ALLTOALL);
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
+    auto host = aliases(tensors);
+    return pending(gloo_->send(host, dst, tag), tensors, OpType::SEND);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
+    auto host = aliases(tensors);
+    return pending(gloo_->recv(host, src, tag), tensors, OpType::RECV);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& tensors, int tag) override {
+    auto host = aliases(tensors);
+    return pending(gloo_->recvAnysource(host, tag), tensors, OpType::RECVANYSOURCE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return done(gloo_->barrier(opts), {}, OpType::BARRIER);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+};
+
+}  // namespace
+
+void bind_distributed(pybind11::module& m) {
+  m.def(
+      "neuron_backend",
+      [](const c10::intrusive_ptr<c10d::Backend>& gloo) -> c10::intrusive_ptr<c10d::Backend> {
+        return c10::make_intrusive<NeuronBackend>(gloo);
+      },
+      "The `neuron` process-group backend over a gloo backend of the same group.");
+}
+
+}  // namespace standin

@@ -1,0 +1,545 @@
+// CPU stand-in for TorchNeuron's native `neuron` device (PyTorch PrivateUse1, renamed to "neuron" from Python).
+//
+// Device memory is host memory. A handful of kernels are native to the device (creation, views, copies, scalar
+// reads, dropout); every other op runs on the CPU through a boxed fallback that first checks that the op does not
+// mix devices, as a real accelerator would refuse to. Counters record device->host copies, scalar reads and the ops
+// the fallback served, by name; strict mode raises on any device->host read. Written against PyTorch 2.13.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/as_strided_cpu_dispatch.h>
+#include <ATen/ops/set_cpu_dispatch.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "standin.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace standin {
+
+using c10::Device;
+using c10::DeviceIndex;
+using c10::DeviceType;
+
+constexpr DeviceType kNeuron = DeviceType::PrivateUse1;
+constexpr int kMaxDevices = 64;
+
+// ---------------------------------------------------------------------------------------------- devices
+std::atomic<int> g_device_count{1};
+thread_local DeviceIndex t_current_device = 0;
+
+void check_index(DeviceIndex index) {
+  TORCH_CHECK(
+      index >= 0 && index < g_device_count.load(),
+      "Invalid device index neuron:", static_cast<int>(index), ": the stand-in has ", g_device_count.load(),
+      " device(s) (set LIGHTNING_TRN_STANDIN_DEVICES before loading it for more).");
+}
+
+// ---------------------------------------------------------------------------------------------- counters
+std::atomic<int64_t> g_device_to_host{0};
+std::atomic<int64_t> g_host_to_device{0};
+std::atomic<int64_t> g_scalar_reads{0};
+std::atomic<bool> g_strict{false};
+std::mutex g_fallback_mutex;
+std::map<std::string, int64_t> g_fallback_counts;
+// True while the CPU fallback moves an op's arguments and results: those copies are the stand-in's own
+// plumbing (a real device runs the op where the data is), so they are neither counted nor refused.
+thread_local bool t_in_fallback = false;
+
+void on_device_read(const char* what, const at::Tensor& tensor, std::atomic<int64_t>& counter) {
+  if (t_in_fallback) return;
+  TORCH_CHECK(
+      !g_strict.load(), "lightning_trn.standin strict mode: a device->host read (", what, " of a ",
+      tensor.sizes(), " ", tensor.scalar_type(), " tensor on ", tensor.device(),
+      ") happened inside lightning_trn.standin.strict(). On a real Neuron device it would stall the host "
+      "until the device catches up; move the read out of the step or to a logging point.");
+  counter++;
+}
+
+// ---------------------------------------------------------------------------------------------- allocator
+struct Block {
+  size_t size;
+  DeviceIndex device;
+};
+
+class HostMemoryAllocator final : public c10::DeviceAllocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    const DeviceIndex device = t_current_device;
+    check_index(device);
+    void* data = nullptr;
+    if (nbytes > 0) {
+      data = std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
+      TORCH_CHECK_WITH(OutOfMemoryError, data != nullptr, "neuron stand-in: out of host memory allocating ",
+                       nbytes, " bytes");
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_[data] = Block{nbytes, device};
+      update(device, static_cast<int64_t>(nbytes), 1);
+    }
+    return {data, data, &HostMemoryAllocator::deleter, Device(kNeuron, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &HostMemoryAllocator::deleter; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const final { std::memcpy(dest, src, count); }
+
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {}  // nothing is cached: freed blocks go straight back to the OS
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_[device];
+  }
+  void resetAccumulatedStats(DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* array : arrays(stats_[device]))
+      for (auto& stat : *array) stat.reset_accumulated();
+  }
+  void resetPeakStats(DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* array : arrays(stats_[device]))
+      for (auto& stat : *array) stat.reset_peak();
+  }
+
+  // The device a pointer into device memory belongs to (for `getDeviceFromPtr`).
+  std::optional<DeviceIndex> device_of(const void* ptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = blocks_.upper_bound(ptr);
+    if (it == blocks_.begin()) return std::nullopt;
+    --it;
+    const char* base = static_cast<const char*>(it->first);
+    if (static_cast<const char*>(ptr) < base + it->second.size) return it->second.device;
+    return std::nullopt;
+  }
+
+ private:
+  static void deleter(void* ptr);
+
+  static std::array<c10::CachingAllocator::StatArray*, 4> arrays(c10::CachingDeviceAllocator::DeviceStats& s) {
+    return {&s.allocation, &s.segment, &s.allocated_bytes, &s.reserved_bytes};
+  }
+
+  // Every block is its own segment and fully in use: allocated == reserved == active.
+  void update(DeviceIndex device, int64_t bytes, int64_t count) {
+    auto& s = stats_[device];
+    for (auto* array : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.requested_bytes})
+      for (auto& stat : *array) bytes >= 0 ? stat.increase(bytes) : stat.decrease(-bytes);
+    for (auto* array : {&s.allocation, &s.segment, &s.active})
+      for (auto& stat : *array) count >= 0 ? stat.increase(count) : stat.decrease(-count);
+    count >= 0 ? s.num_device_alloc++ : s.num_device_free++;
+  }
+
+  std::mutex mutex_;
+  std::map<const void*, Block> blocks_;
+  c10::CachingDeviceAllocator::DeviceStats stats_[kMaxDevices];
+};
+
+HostMemoryAllocator g_allocator;
+
+void HostMemoryAllocator::deleter(void* ptr) {
+  if (ptr == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_allocator.mutex_);
+    auto it = g_allocator.blocks_.find(ptr);
+    if (it != g_allocator.blocks_.end()) {
+      g_allocator.update(it->second.device, -static_cast<int64_t>(it->second.size), -1);
+      g_allocator.blocks_.erase(it);
+    }
+  }
+  std::free(ptr);
+}
+
+REGISTER_ALLOCATOR(kNeuron, &g_allocator);
+
+// ---------------------------------------------------------------------------------------------- guard, streams, events
+// The stand-in is synchronous: one default stream per device, events carry the host time they were recorded at.
+struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  DeviceType type() const override { return kNeuron; }
+  Device exchangeDevice(Device d) const override {
+    Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  Device getDevice() const override { return Device(kNeuron, t_current_device); }
+  void setDevice(Device d) const override {
+    TORCH_CHECK(d.type() == kNeuron, "expected a neuron device, got ", d);
+    if (d.has_index()) {
+      check_index(d.index());
+      t_current_device = d.index();
+    }
+  }
+  void uncheckedSetDevice(Device d) const noexcept override {
+    if (d.has_index()) t_current_device = d.index();
+  }
+  c10::Stream getStream(Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getNewStream(Device d, int) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getStreamFromGlobalPool(Device d, bool) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream exchangeStream(c10::Stream s) const override { return c10::Stream(c10::Stream::DEFAULT, s.device()); }
+  DeviceIndex deviceCount() const noexcept override { return static_cast<DeviceIndex>(g_device_count.load()); }
+
+  void record(void** event, const c10::Stream&, const DeviceIndex, const c10::EventFlag) const override {
+    if (*event == nullptr) *event = new double(0.0);
+    *static_cast<double*>(*event) =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<double*>(event); }
+  void synchronizeEvent(void*) const override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeDevice(const DeviceIndex) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void* start, void* end, const DeviceIndex) const override {
+    TORCH_CHECK(start && end, "both events must be recorded before elapsed_time()");
+    return *static_cast<double*>(end) - *static_cast<double*>(start);
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl);
+
+// ---------------------------------------------------------------------------------------------- generators
+// A `neuron` generator keeps its state in a CPU generator twin: the CPU kernels behind the fallback only accept
+// CPU generators, so the fallback hands them the twin. Random ops on the device draw from the device's
+// generator, never from the CPU one.
+struct NeuronGenerator final : public c10::GeneratorImpl {
+  explicit NeuronGenerator(DeviceIndex device, at::Generator cpu)
+      : c10::GeneratorImpl(Device(kNeuron, device), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+        cpu_(std::move(cpu)) {}
+  explicit NeuronGenerator(DeviceIndex device)
+      : NeuronGenerator(device, at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val)) {}
+
+  void set_current_seed(uint64_t seed) override { cpu_.set_current_seed(seed); }
+  void set_offset(uint64_t offset) override { cpu_.set_offset(offset); }
+  uint64_t get_offset() const override { return cpu_.get_offset(); }
+  uint64_t current_seed() const override { return cpu_.current_seed(); }
+  uint64_t seed() override { return cpu_.seed(); }
+  void set_state(const c10::TensorImpl& state) override { cpu_.unsafeGetGeneratorImpl()->set_state(state); }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    return cpu_.unsafeGetGeneratorImpl()->get_state();
+  }
+  NeuronGenerator* clone_impl() const override { return new NeuronGenerator(device_.index(), cpu_.clone()); }
+
+  at::Generator cpu_;
+};
+
+const at::Generator& default_generator(DeviceIndex device) {
+  static std::once_flag once;
+  static std::vector<at::Generator> generators;
+  std::call_once(once, [] {
+    for (int i = 0; i < kMaxDevices; ++i) generators.push_back(at::make_generator<NeuronGenerator>(i));
+  });
+  const DeviceIndex index = device < 0 ? t_current_device : device;
+  check_index(index);
+  return generators[index];
+}
+
+// ---------------------------------------------------------------------------------------------- hooks
+struct Hooks final : public at::PrivateUse1HooksInterface {
+  void init() const override {}
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return g_device_count.load() > 0; }
+  bool hasPrimaryContext(DeviceIndex) const override { return true; }
+  DeviceIndex deviceCount() const override { return static_cast<DeviceIndex>(g_device_count.load()); }
+  void setCurrentDevice(DeviceIndex d) const override {
+    check_index(d);
+    t_current_device = d;
+  }
+  DeviceIndex getCurrentDevice() const override { return t_current_device; }
+  DeviceIndex exchangeDevice(DeviceIndex d) const override {
+    const DeviceIndex old = t_current_device;
+    setCurrentDevice(d);
+    return old;
+  }
+  DeviceIndex maybeExchangeDevice(DeviceIndex d) const override { return exchangeDevice(d); }
+  bool isPinnedPtr(const void*) const override { return false; }
+  // Storage resizing in place (FSDP2 frees and re-allocates its unsharded parameters this way).
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t new_size) const override {
+    TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
+    const c10::DeviceGuard guard(storage.device());
+    c10::DataPtr data = g_allocator.allocate(new_size);
+    const size_t kept = std::min(new_size, storage.nbytes());
+    if (kept > 0) std::memcpy(data.get(), storage.data(), kept);
+    storage.set_data_ptr_noswap(std::move(data));
+    storage.set_nbytes(new_size);
+  }
+  Device getDeviceFromPtr(void* data) const override {
+    auto device = g_allocator.device_of(data);
+    TORCH_CHECK(device.has_value(), "pointer ", data, " is not in neuron stand-in memory");
+    return Device(kNeuron, *device);
+  }
+  const at::Generator& getDefaultGenerator(DeviceIndex device) const override { return default_generator(device); }
+  at::Generator getNewGenerator(DeviceIndex device) const override {
+    return at::make_generator<NeuronGenerator>(device < 0 ? t_current_device : device);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------- native kernels
+at::Tensor host_alias(const at::Tensor& t) {
+  if (t.is_cpu()) return t;
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options().device(at::kCPU));
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout, std::optional<Device> device,
+                               std::optional<bool> pin_memory, std::optional<c10::MemoryFormat> memory_format) {
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided, "neuron supports strided tensors only");
+  TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory), "only CPU tensors can be pinned");
+  const c10::DeviceGuard guard(c10::device_or_default(device));
+  return at::detail::empty_generic(size, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
+                         std::optional<c10::Layout> layout, std::optional<Device> device,
+                         std::optional<bool> pin_memory) {
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided, "neuron supports strided tensors only");
+  TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory), "only CPU tensors can be pinned");
+  const c10::DeviceGuard guard(c10::device_or_default(device));
+  return at::detail::empty_strided_generic(size, stride, &g_allocator,
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                      std::optional<c10::SymInt> storage_offset) {
+  return at::cpu::as_strided_symint(self, size, stride, std::move(storage_offset));
+}
+
+at::Tensor view(const at::Tensor& self, c10::SymIntArrayRef size) {
+  return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
+}
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
+                          std::optional<c10::MemoryFormat> memory_format) {
+  return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), memory_format);
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  if (self.is_privateuseone() && dst.is_cpu()) on_device_read("copy to the host", self, g_device_to_host);
+  if (self.is_cpu() && dst.is_privateuseone() && !t_in_fallback) g_host_to_device++;
+  at::Tensor dst_host = host_alias(dst);
+  at::native::copy_(dst_host, host_alias(self), non_blocking);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  at::native::resize_(dst, self.sizes(), std::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  on_device_read("scalar read (.item())", self, g_scalar_reads);
+  return at::native::_local_scalar_dense_cpu(host_alias(self));
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) { return at::native::set_tensor_(self, source); }
+at::Tensor& set_storage(at::Tensor& self, at::Storage source) { return at::native::set_(self, std::move(source)); }
+at::Tensor& set_storage_offset(at::Tensor& self, at::Storage storage, int64_t offset, c10::IntArrayRef size,
+                               c10::IntArrayRef stride) {
+  return at::cpu::set_(self, std::move(storage), offset, size, stride);
+}
+
+// Dropout draws its mask from the device's generator (the CPU kernel would draw from the CPU one).
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0 || !train.value_or(true) || p == 0) {
+    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  }
+  if (p == 1) return {at::zeros_like(input), at::zeros_like(input, input.options().dtype(at::kBool))};
+  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool));
+  mask.bernoulli_(1 - p, default_generator(input.device().index()));
+  return {input * mask * (1.0 / (1 - p)), mask};
+}
+
+// ---------------------------------------------------------------------------------------------- CPU fallback
+[[noreturn]] void mixed_devices(const c10::OperatorHandle& op, const std::string& argument, Device a, Device b) {
+  TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, ", a,
+              " and ", b, "! (when checking argument ", argument, " in method ", op.schema().operator_name(),
+              ")");
+}
+
+// Refuse what a real device refuses: a tensor on the CPU (other than a 0-dim "scalar" tensor, or an index
+// tensor) or on another neuron device next to device tensors. Returns the op's neuron device, if any.
+std::optional<Device> check_devices(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const auto begin = stack.size() - args.size();
+  std::optional<Device> neuron, cpu;
+  std::string cpu_argument;
+  auto visit = [&](const at::Tensor& t, const std::string& name, bool index) {
+    if (!t.defined()) return;
+    if (t.is_privateuseone()) {
+      if (neuron && *neuron != t.device()) mixed_devices(op, name, *neuron, t.device());
+      neuron = t.device();
+    } else if (t.dim() > 0 && !index && !cpu) {
+      cpu = t.device();
+      cpu_argument = name;
+    }
+  };
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& value = stack[begin + i];
+    const auto& name = args[i].name();
+    if (value.isTensor()) {
+      visit(value.toTensor(), name, false);
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList()) visit(t, name, false);
+    } else if (value.isList()) {  // Tensor?[] holds the indices of index/index_put: CPU ones are allowed
+      for (const c10::IValue& item : value.toListRef())
+        if (item.isTensor()) visit(item.toTensor(), name, true);
+    }
+  }
+  if (neuron && cpu) mixed_devices(op, cpu_argument, *neuron, *cpu);
+  return neuron;
+}
+
+// Random ops take their generator from the device: a missing one becomes the device's default generator, a
+// neuron one its CPU twin (the CPU kernels accept no other).
+void use_device_generators(const c10::OperatorHandle& op, torch::jit::Stack& stack, DeviceIndex device) {
+  const auto& args = op.schema().arguments();
+  const auto begin = stack.size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& type = args[i].type();
+    const bool is_generator = type->kind() == c10::TypeKind::GeneratorType ||
+        (type->kind() == c10::TypeKind::OptionalType &&
+         type->expectRef<c10::OptionalType>().getElementType()->kind() == c10::TypeKind::GeneratorType);
+    if (!is_generator) continue;
+    auto& value = stack[begin + i];
+    if (value.isNone()) {
+      value = c10::IValue(default_generator(device).get<NeuronGenerator>()->cpu_);
+    } else if (value.toGenerator().device().type() == kNeuron) {
+      value = c10::IValue(value.toGenerator().get<NeuronGenerator>()->cpu_);
+    }
+  }
+}
+
+struct InFallback {
+  bool previous = t_in_fallback;
+  InFallback() { t_in_fallback = true; }
+  ~InFallback() { t_in_fallback = previous; }
+};
+
+void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto device = check_devices(op, *stack);
+  {
+    std::lock_guard<std::mutex> lock(g_fallback_mutex);
+    const auto& name = op.schema().operator_name();
+    g_fallback_counts[name.overload_name.empty() ? name.name : name.name + "." + name.overload_name]++;
+  }
+  use_device_generators(op, *stack, device ? device->index() : t_current_device);
+  InFallback guard;
+  at::native::cpu_fallback(op, stack);
+}
+
+// ---------------------------------------------------------------------------------------------- Python API
+void set_device_count(int count) {
+  TORCH_CHECK(count >= 1 && count <= kMaxDevices, "device count must be in [1, ", kMaxDevices, "], got ", count);
+  g_device_count = count;
+}
+
+pybind11::dict counters() {
+  pybind11::dict out;
+  out["device_to_host"] = g_device_to_host.load();
+  out["host_to_device"] = g_host_to_device.load();
+  out["scalar_reads"] = g_scalar_reads.load();
+  return out;
+}
+
+std::map<std::string, int64_t> fallback_counts() {
+  std::lock_guard<std::mutex> lock(g_fallback_mutex);
+  return g_fallback_counts;
+}
+
+void reset_counters() {
+  g_device_to_host = 0;
+  g_host_to_device = 0;
+  g_scalar_reads = 0;
+  std::lock_guard<std::mutex> lock(g_fallback_mutex);
+  g_fallback_counts.clear();
+}
+
+void register_hooks() {
+  static Hooks* hooks = new Hooks();  // lives for the process, as PyTorch expects
+  at::RegisterPrivateUse1HooksInterface(hooks);
+}
+
+}  // namespace standin
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", &standin::empty_memory_format);
+  m.impl("empty_strided", &standin::empty_strided);
+  m.impl("as_strided", &standin::as_strided);
+  m.impl("view", &standin::view);
+  m.impl("_reshape_alias", &standin::reshape_alias);
+  m.impl("resize_", &standin::resize_);
+  m.impl("_copy_from", &standin::copy_from);
+  m.impl("_copy_from_and_resize", &standin::copy_from_and_resize);
+  m.impl("_local_scalar_dense", &standin::local_scalar_dense);
+  m.impl("set_.source_Tensor", &standin::set_tensor);
+  m.impl("set_.source_Storage", &standin::set_storage);
+  m.impl("set_.source_Storage_storage_offset", &standin::set_storage_offset);
+  m.impl("native_dropout", &standin::native_dropout);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&standin::cpu_fallback>());
+}
+
+// Autocast: the same op lists as CUDA's (matmuls and convolutions in the lower precision, reductions, norms and
+// losses in fp32), applied to the neuron device.
+#define STANDIN_LOWER_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define STANDIN_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define STANDIN_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define STANDIN_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+
+namespace at::autocast {  // the op-list macros name ATen types unqualified
+
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  AT_FORALL_LOWER_PRECISION_FP(STANDIN_LOWER_PRECISION_FP)
+  AT_FORALL_FP32(STANDIN_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(STANDIN_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+  AT_FORALL_PROMOTE(STANDIN_PROMOTE)
+}
+
+}  // namespace at::autocast
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("register_hooks", &standin::register_hooks, "Register the PrivateUse1 hooks (once, before first use).");
+  m.def("set_device_count", &standin::set_device_count);
+  m.def("device_count", [] { return standin::g_device_count.load(); });
+  m.def("current_device", [] { return static_cast<int>(standin::t_current_device); });
+  m.def("set_device", [](int d) {
+    standin::check_index(static_cast<c10::DeviceIndex>(d));
+    standin::t_current_device = static_cast<c10::DeviceIndex>(d);
+  });
+  m.def("default_generator", [](int d) { return standin::default_generator(static_cast<c10::DeviceIndex>(d)); });
+  m.def("counters", &standin::counters);
+  m.def("fallback_counts", &standin::fallback_counts);
+  m.def("reset_counters", &standin::reset_counters);
+  m.def("set_strict", [](bool on) { return standin::g_strict.exchange(on); });
+  standin::bind_distributed(m);
+}

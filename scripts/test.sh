@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs both test suites: the XLA suite on XLA:CPU (current Python, torch 2.9 + torch-xla) and the native suite on
+# the neuron stand-in (.venv-native/, torch 2.13). Both run even if the first fails; the exit code says if either did.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+status=0
+python -m pytest || status=$?
+.venv-native/bin/python -m pytest tests/standin || status=$?
+exit "$status"
