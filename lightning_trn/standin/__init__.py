@@ -13,7 +13,7 @@ gaps. What it does prove: device placement, dtypes under autocast, device->host 
 
 from __future__ import annotations
 
-import glob
+import atexit
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from lightning_trn.runtime.discovery import physical_core_count
 from lightning_trn.standin._build import StandinError
 
 #: Environment variable: how many `neuron` devices the stand-in offers (default 1).
@@ -39,10 +40,11 @@ def _refuse_on_neuron_host() -> None:
             "(on a Neuron host TorchNeuron registers `neuron` itself). The stand-in is for machines without "
             "Trainium; unset LIGHTNING_TRN_STANDIN and use the real device."
         )
-    if importlib.util.find_spec("torch_neuronx") is not None or glob.glob("/dev/neuron[0-9]*"):
+    if importlib.util.find_spec("torch_neuronx") is not None or physical_core_count() > 0:
         raise StandinError(
-            "lightning_trn.standin refuses to load on a Neuron host (torch-neuronx is installed or /dev/neuron* "
-            "exists): it would shadow the real `neuron` device. Unset LIGHTNING_TRN_STANDIN and use TorchNeuron."
+            "lightning_trn.standin refuses to load on a Neuron host (torch-neuronx is installed or the Neuron driver "
+            "shows devices): it would shadow the real `neuron` device. Unset LIGHTNING_TRN_STANDIN and use "
+            "TorchNeuron."
         )
 
 
@@ -58,6 +60,23 @@ def _device_count() -> int:
             "devices from 1 to 64 (default 1), or unset it."
         )
     return count
+
+
+def _release_finished_backward_tasks() -> None:
+    """At exit, make each device's autograd thread drop the last backward's task before Python finalizes.
+
+    torch 2.13 stashes a Python object in the thread-local state that every backward captures
+    (`torch.autograd.graph._engine_run_backward`). The device thread that ran the backward often drops the last
+    reference after the caller has returned, taking the GIL; if Python is finalizing by then, it ends that thread
+    inside a noexcept destructor and the process aborts ("terminate called without an active exception"). A backward
+    per device run here without that stash is queued behind the last one, so once it returns the device threads
+    hold nothing that needs Python.
+    """
+    from torch.autograd import Variable
+
+    for index in range(torch.neuron.device_count()):
+        leaf = torch.zeros((), device=torch.device("neuron", index), requires_grad=True)
+        Variable._execution_engine.run_backward((leaf * 1,), (torch.ones_like(leaf),), False, False, (), True, True)
 
 
 def load() -> ModuleType:
@@ -77,6 +96,7 @@ def load() -> ModuleType:
     torch._register_device_module("neuron", device)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     distributed.register(ext)
+    atexit.register(_release_finished_backward_tasks)
     _ext = ext
     return torch.neuron
 

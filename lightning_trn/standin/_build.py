@@ -2,7 +2,8 @@
 
 The build is cached per torch version and source hash under `LIGHTNING_TRN_STANDIN_CACHE` (default
 `~/.cache/lightning_trn/standin`): the first load compiles for about a minute on 2 cores, later loads import the
-built library directly. A file lock (not named `lock`: torch.utils.cpp_extension keeps its own file of that name there) lets several processes (torchrun ranks) ask at once; one builds.
+built library directly. A file lock (not named `lock`: torch.utils.cpp_extension keeps its own file of that name
+there) lets several processes (torchrun ranks) ask at once; one builds.
 """
 
 from __future__ import annotations

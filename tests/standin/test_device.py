@@ -81,7 +81,8 @@ def test_autocast_runs_matmuls_in_bf16_and_losses_in_fp32() -> None:
         assert (x @ x.T).dtype == torch.bfloat16
         assert nn.functional.mse_loss(out, y).dtype == torch.float32
         assert torch.softmax(out, dim=-1).dtype == torch.float32
-        assert nn.functional.cross_entropy(out, torch.zeros(6, dtype=torch.long, device="neuron")).dtype == torch.float32
+        labels = torch.zeros(6, dtype=torch.long, device="neuron")
+        assert nn.functional.cross_entropy(out, labels).dtype == torch.float32
     assert device(x).dtype == torch.float32
 
 
@@ -184,8 +185,22 @@ def test_device_module() -> None:
     assert torch.neuron.current_stream().device == NEURON
 
 
+def test_processes_that_ran_backward_exit_cleanly() -> None:
+    """Without `_release_finished_backward_tasks` most of these abort at exit (SIGABRT, "terminate called without an
+    active exception"): the device's autograd thread releases Python state while Python finalizes."""
+    code = (  # a script that ends right after its backward
+        "import torch, lightning_trn.standin; x = torch.ones(2, device='neuron', requires_grad=True); "
+        "(x * 2).sum().backward()"
+    )
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True) for _ in range(6)]
+    assert [(r.returncode, r.stderr.strip()[-200:]) for r in runs] == [(0, "")] * 6
+
+
 def test_device_count_comes_from_the_environment() -> None:
-    code = "import torch, lightning_trn.standin; print(torch.neuron.device_count(), torch.randn(2, device='neuron:2').device)"
+    code = (
+        "import torch, lightning_trn.standin; "
+        "print(torch.neuron.device_count(), torch.randn(2, device='neuron:2').device)"
+    )
     env = {**__import__("os").environ, "LIGHTNING_TRN_STANDIN_DEVICES": "3"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["3", "neuron:2"]

@@ -59,7 +59,8 @@ def test_missing_ninja_names_the_fix(tmp_path: Path) -> None:
 def test_a_failing_compile_ends_in_its_message_not_a_bare_traceback(tmp_path: Path) -> None:
     compiler = tmp_path / "broken-c++"
     compiler.write_text(  # answers torch's version probe, fails every compile
-        f"#!/bin/sh\ncase \"$*\" in *' -c '*) echo 'standin.cpp:1:1: error: this compiler is broken' >&2; exit 1;; esac\n"
+        "#!/bin/sh\n"
+        "case \"$*\" in *' -c '*) echo 'standin.cpp:1:1: error: this compiler is broken' >&2; exit 1;; esac\n"
         f"exec {shutil.which('c++')} \"$@\"\n"
     )
     compiler.chmod(0o755)

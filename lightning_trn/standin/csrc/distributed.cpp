@@ -85,14 +85,6 @@ Tensors flat(const TensorLists& lists) {
   return out;
 }
 
-// gloo has no integer AVG: reduce with SUM, then divide the results by the group size.
-template <typename Options>
-bool sum_for_avg(Options& opts) {
-  if (opts.reduceOp != c10d::ReduceOp::AVG) return false;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  return true;
-}
-
 void divide(const Tensors& host_outputs, int size) {
   for (const auto& t : host_outputs) {
     if (t.is_floating_point() || t.is_complex()) {
@@ -101,6 +93,19 @@ void divide(const Tensors& host_outputs, int size) {
       t.div_(size, "trunc");
     }
   }
+}
+
+// Runs a reduction with gloo, which has no integer AVG: AVG runs as SUM, then the results (`host_outputs`, on the
+// ranks that receive them) are divided by the group size.
+template <typename Options, typename Run>
+c10::intrusive_ptr<c10d::Work> reduce_with(const Options& opts, Run run, Tensors outputs, const Tensors& host_outputs,
+                                           OpType type, int size, bool receives = true) {
+  auto gloo_opts = opts;
+  const bool avg = gloo_opts.reduceOp == c10d::ReduceOp::AVG;
+  if (avg) gloo_opts.reduceOp = c10d::ReduceOp::SUM;
+  auto work = done(run(gloo_opts), std::move(outputs), type);
+  if (avg && receives) divide(host_outputs, size);
+  return work;
 }
 
 class NeuronBackend final : public c10d::Backend {
@@ -123,30 +128,21 @@ class NeuronBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) override {
     auto host = aliases(tensors);
-    auto sum_opts = opts;
-    const bool avg = sum_for_avg(sum_opts);
-    auto work = done(gloo_->allreduce(host, sum_opts), tensors, OpType::ALLREDUCE);
-    if (avg) divide(host, getSize());
-    return work;
+    auto run = [&](const auto& o) { return gloo_->allreduce(host, o); };
+    return reduce_with(opts, run, tensors, host, OpType::ALLREDUCE, getSize());
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(Tensors& tensors,
                                                       const c10d::AllreduceCoalescedOptions& opts) override {
     auto host = aliases(tensors);
-    auto sum_opts = opts;
-    const bool avg = sum_for_avg(sum_opts);
-    auto work = done(gloo_->allreduce_coalesced(host, sum_opts), tensors, OpType::ALLREDUCE_COALESCED);
-    if (avg) divide(host, getSize());
-    return work;
+    auto run = [&](const auto& o) { return gloo_->allreduce_coalesced(host, o); };
+    return reduce_with(opts, run, tensors, host, OpType::ALLREDUCE_COALESCED, getSize());
   }
 
   c10::intrusive_ptr<c10d::Work> reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override {
     auto host = aliases(tensors);
-    auto sum_opts = opts;
-    const bool avg = sum_for_avg(sum_opts);
-    auto work = done(gloo_->reduce(host, sum_opts), tensors, OpType::REDUCE);
-    if (avg && getRank() == opts.rootRank) divide(host, getSize());
-    return work;
+    auto run = [&](const auto& o) { return gloo_->reduce(host, o); };
+    return reduce_with(opts, run, tensors, host, OpType::REDUCE, getSize(), getRank() == opts.rootRank);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather(TensorLists& outputs, Tensors& inputs,
@@ -188,33 +184,24 @@ class NeuronBackend final : public c10d::Backend {
                                                  const c10d::ReduceScatterOptions& opts) override {
     auto host_out = aliases(outputs);
     auto host_in = aliases(inputs);
-    auto sum_opts = opts;
-    const bool avg = sum_for_avg(sum_opts);
-    auto work = done(gloo_->reduce_scatter(host_out, host_in, sum_opts), outputs, OpType::REDUCE_SCATTER);
-    if (avg) divide(host_out, getSize());
-    return work;
+    auto run = [&](const auto& o) { return gloo_->reduce_scatter(host_out, host_in, o); };
+    return reduce_with(opts, run, outputs, host_out, OpType::REDUCE_SCATTER, getSize());
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override {
     auto host_out = host_alias(output);
     auto host_in = host_alias(input);
-    auto sum_opts = opts;
-    const bool avg = sum_for_avg(sum_opts);
-    auto work = done(gloo_->_reduce_scatter_base(host_out, host_in, sum_opts), {output}, OpType::_REDUCE_SCATTER_BASE);
-    if (avg) divide({host_out}, getSize());
-    return work;
+    auto run = [&](const auto& o) { return gloo_->_reduce_scatter_base(host_out, host_in, o); };
+    return reduce_with(opts, run, {output}, {host_out}, OpType::_REDUCE_SCATTER_BASE, getSize());
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                                   const c10d::ReduceScatterOptions& opts) override {
     auto host_out = aliases(outputs);
     auto host_in = aliases(inputs);
-    auto sum_opts = opts;
-    const bool avg = sum_for_avg(sum_opts);
-    auto work = done(gloo_->reduce_scatter_tensor_coalesced(host_out, host_in, sum_opts), outputs, OpType::COALESCED);
-    if (avg) divide(host_out, getSize());
-    return work;
+    auto run = [&](const auto& o) { return gloo_->reduce_scatter_tensor_coalesced(host_out, host_in, o); };
+    return reduce_with(opts, run, outputs, host_out, OpType::COALESCED, getSize());
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& out_splits,

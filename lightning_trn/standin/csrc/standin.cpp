@@ -299,11 +299,15 @@ at::Tensor host_alias(const at::Tensor& t) {
   return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options().device(at::kCPU));
 }
 
+void check_empty_options(std::optional<c10::Layout> layout, std::optional<bool> pin_memory) {
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided, "neuron supports strided tensors only");
+  TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory), "only CPU tensors can be pinned");
+}
+
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
                                std::optional<c10::Layout> layout, std::optional<Device> device,
                                std::optional<bool> pin_memory, std::optional<c10::MemoryFormat> memory_format) {
-  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided, "neuron supports strided tensors only");
-  TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory), "only CPU tensors can be pinned");
+  check_empty_options(layout, pin_memory);
   const c10::DeviceGuard guard(c10::device_or_default(device));
   return at::detail::empty_generic(size, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                    c10::dtype_or_default(dtype), memory_format);
@@ -312,8 +316,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
                          std::optional<c10::Layout> layout, std::optional<Device> device,
                          std::optional<bool> pin_memory) {
-  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided, "neuron supports strided tensors only");
-  TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory), "only CPU tensors can be pinned");
+  check_empty_options(layout, pin_memory);
   const c10::DeviceGuard guard(c10::device_or_default(device));
   return at::detail::empty_strided_generic(size, stride, &g_allocator,
                                            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
