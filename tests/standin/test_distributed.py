@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "collectives.py"
 CHECKS = [
     "all_reduce_SUM", "all_reduce_AVG", "all_reduce_MAX", "all_reduce_MIN", "all_reduce_AVG_int",
     "collectives_read_nothing_to_the_host", "broadcast", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "async_work_completes", "object_collectives", "ddp_equals_single_process",
+    "reduce_scatter_tensor", "async_work_completes", "object_collectives", "exchange", "ddp_equals_single_process",
     "funcol_all_reduce", "dtensor_shard", "dtensor_redistribute", "fsdp2_grads_equal_single_process",
 ]
 RANK_ONLY = {"reduce": 0, "send_recv": 1}
@@ -27,7 +27,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, bool]]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
     out = tmp_path_factory.mktemp("collectives")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -39,10 +39,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, bool]]:
 
 
 @pytest.mark.parametrize("name", CHECKS)
-def test_on_both_ranks(results: list[dict[str, bool]], name: str) -> None:
-    assert [r.get(name) for r in results] == [True, True]
+def test_on_both_ranks(results: list[dict[str, object]], name: str) -> None:
+    assert [r.get(name) for r in results] == [True, True]  # else the value is the error the check's section raised
 
 
 @pytest.mark.parametrize("name", sorted(RANK_ONLY))
-def test_on_one_rank(results: list[dict[str, bool]], name: str) -> None:
+def test_on_one_rank(results: list[dict[str, object]], name: str) -> None:
     assert results[RANK_ONLY[name]].get(name) is True

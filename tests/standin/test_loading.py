@@ -77,6 +77,12 @@ def test_it_refuses_to_load_on_a_neuron_host(tmp_path: Path) -> None:
     assert_one_paragraph_error(result, "refuses to load on a Neuron host", "Unset LIGHTNING_TRN_STANDIN")
 
 
+def test_it_refuses_when_torch_already_has_a_custom_device() -> None:
+    # what TorchNeuron's autoload leaves behind: torch's PrivateUse1 device already renamed
+    code = "import torch; torch.utils.rename_privateuse1_backend('neuron'); " + PRINT_TENSOR
+    assert_one_paragraph_error(run(code), "already registered as 'neuron'", "unset LIGHTNING_TRN_STANDIN")
+
+
 @pytest.mark.parametrize("value", ["0", "abc", "65"])
 def test_bad_device_count(value: str) -> None:
     result = run(PRINT_TENSOR, LIGHTNING_TRN_STANDIN_DEVICES=value)
