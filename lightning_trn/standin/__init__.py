@@ -121,8 +121,8 @@ def counters() -> dict[str, int]:
 
 
 def fallback_counts() -> dict[str, int]:
-    """Ops served by the CPU fallback since the last reset, by name (`aten::add.Tensor`): the ops the stand-in
-    runs on the host, to check against the ops TorchNeuron supports."""
+    """Ops served by the CPU fallback since the last reset, by name (`aten::addmm.out`; structured ops arrive as
+    their out= variant): the ops the stand-in runs on the host, to check against the ops TorchNeuron supports."""
     return dict(_loaded().fallback_counts())
 
 

@@ -32,8 +32,8 @@ def torch_release() -> str:
     return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
-def check_toolchain() -> None:
-    """Raise `StandinError` naming the fix when torch's version, a C++ compiler or ninja is missing."""
+def check_torch() -> None:
+    """Raise `StandinError` naming the fix when the running torch is not one the C++ core was written for."""
     if torch_release() not in SUPPORTED_TORCH:
         raise StandinError(
             f"lightning_trn.standin was written for torch {' / '.join(SUPPORTED_TORCH)} and this environment has "
@@ -42,6 +42,10 @@ def check_toolchain() -> None:
             "torch 2.13.0), or install `torch==2.13.0` in a virtual environment of its own (the XLA stack's torch "
             "2.9 cannot share one)."
         )
+
+
+def check_toolchain() -> None:
+    """Raise `StandinError` naming the fix when a C++ compiler or ninja is missing (needed only to build)."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise StandinError(
@@ -70,8 +74,7 @@ def cache_dir() -> Path:
     return root / f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:12]}"
 
 
-def _import_built(name: str, directory: Path) -> ModuleType:
-    library = next(directory.glob(f"{name}*.so"))
+def _import_built(name: str, library: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, library)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -81,15 +84,14 @@ def _import_built(name: str, directory: Path) -> ModuleType:
 
 def build() -> ModuleType:
     """The compiled extension module, built on first use and imported from the cache afterwards."""
-    if torch_release() not in SUPPORTED_TORCH:
-        check_toolchain()
+    check_torch()
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     name = "lightning_trn_standin_" + directory.name.rsplit("-", 1)[1]
-    done = directory / "BUILT"
+    library, done = directory / f"{name}.so", directory / "BUILT"
     with open(directory / "build.flock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
+        if not (done.exists() and library.exists()):
             check_toolchain()
             from torch.utils.cpp_extension import load
 
@@ -106,4 +108,4 @@ def build() -> ModuleType:
                 ) from err
             done.write_text(torch.__version__)
             return module
-    return _import_built(name, directory)
+    return _import_built(name, library)
