@@ -2,34 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.accelerators import Accelerator
 from typing_extensions import override
 
-from lightning_trn.runtime import NeuronUnavailableError, get_runtime
+from lightning_trn.runtime import NeuronUnavailableError, get_runtime, use_backend
 from lightning_trn.runtime.discovery import CPU
 
 _DEVICES_INPUT = Union[int, str, list[int]]
 
 
 class NeuronAccelerator(Accelerator):
-    """One process per NeuronCore; each process sees its core as the XLA device `xla:0`.
+    """One process per NeuronCore: the XLA device `xla:0` (torch-neuronx 2.9, XLA:CPU) or the native `neuron` device
+    (TorchNeuron on Trn2/Trn3, or the CPU stand-in).
 
-    Constructing it checks that a platform exists (NeuronCores, or XLA:CPU via `PJRT_DEVICE=CPU`) and raises
-    `NeuronUnavailableError` saying what was looked for and how to fix it.
+    Args:
+        backend: "xla" or "native"; by default `LIGHTNING_TRN_BACKEND`, else the stack that is installed.
+
+    Constructing it checks that a platform exists (NeuronCores, XLA:CPU via `PJRT_DEVICE=CPU`, or a `neuron` device)
+    and raises `NeuronUnavailableError` saying what was looked for and how to fix it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, backend: Optional[str] = None) -> None:
         super().__init__()
-        get_runtime().detect_platform()
+        use_backend(backend).detect_platform()
 
     @override
     def setup_device(self, device: torch.device) -> None:
-        if device.type != "xla":
-            raise ValueError(f"NeuronAccelerator needs an XLA device, got {device}.")
+        expected = get_runtime().device_type
+        if device.type != expected:
+            raise ValueError(f"NeuronAccelerator on the {get_runtime().name} backend needs a {expected!r} device, got "
+                             f"{device}.")
 
     @override
     def teardown(self) -> None:
@@ -72,7 +78,8 @@ class NeuronAccelerator(Accelerator):
     @staticmethod
     @override
     def get_parallel_devices(devices: Any) -> list[torch.device]:
-        return [torch.device("xla", i) for i in range(NeuronAccelerator.parse_devices(devices))]
+        device_type = get_runtime().device_type
+        return [torch.device(device_type, i) for i in range(NeuronAccelerator.parse_devices(devices))]
 
     @staticmethod
     @override
@@ -99,5 +106,5 @@ class NeuronAccelerator(Accelerator):
     @override
     def register_accelerators(cls, accelerator_registry: Any) -> None:
         accelerator_registry.register(
-            cls.name(), cls, description="AWS Trainium/Inferentia NeuronCores through torch_xla (lightning_trn)"
+            cls.name(), cls, description="AWS Trainium/Inferentia NeuronCores: torch_xla or native (lightning_trn)"
         )

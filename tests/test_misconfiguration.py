@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer
 
 from lightning_trn import NeuronPrecision
 from lightning_trn.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags
-from lightning_trn.runtime import discovery
+from lightning_trn.runtime import BACKEND_ENV, discovery, selection
 from lightning_trn.runtime.collectives import check_world_size
 from lightning_trn.strategies.ddp import NeuronDDPStrategy
 from models import RegressionModel
@@ -85,6 +85,17 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         trainer = Trainer(accelerator="cpu", strategy="neuron_single", max_steps=1, logger=False)
         trainer.fit(RegressionModel())
 
+    def backend_both_stacks():
+        monkeypatch.setattr(selection, "native_device_available", lambda: True)
+        Trainer(accelerator="neuron", logger=False)
+
+    def backend_from_env(name: str) -> Callable[[], object]:
+        def make() -> None:
+            monkeypatch.setenv(BACKEND_ENV, name)
+            Trainer(accelerator="neuron", logger=False)
+
+        return make
+
     actions: dict[str, Callable[[], object]] = {
         "unknown-precision": lambda: Trainer(accelerator="neuron", precision="16-mixed", logger=False),
         "too-many-devices": too_many_devices,
@@ -100,6 +111,9 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         "world-size-mismatch": lambda: check_world_size(2, 1, cross_process=True),
         "wrong-accelerator": wrong_accelerator,
         "master-weights-precision": lambda: NeuronPrecision("bf16-mixed", master_weights=True),
+        "backend-both-stacks": backend_both_stacks,
+        "backend-native-missing": backend_from_env("native"),
+        "backend-unknown": backend_from_env("tpu"),
     }
     return lambda row: message_of(actions[row])
 
@@ -112,4 +126,4 @@ def test_documented_message(row, fragments, trigger):
 
 
 def test_table_has_every_row():
-    assert len(documented_rows()) == 14
+    assert len(documented_rows()) == 17

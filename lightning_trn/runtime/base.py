@@ -51,6 +51,8 @@ class DeviceRuntime(ABC):
 
     #: short name, e.g. "xla"
     name: str = ""
+    #: the torch device type of this backend's devices ("xla", "neuron")
+    device_type: str = ""
 
     @abstractmethod
     def is_installed(self) -> bool:

@@ -47,6 +47,7 @@ class XlaRuntime(DeviceRuntime):
     """All calls into torch_xla go through here."""
 
     name = "xla"
+    device_type = "xla"
 
     def __init__(self) -> None:
         self._platform: Optional[Platform] = None

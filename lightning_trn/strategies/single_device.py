@@ -11,11 +11,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
+from lightning_trn.runtime import get_runtime
 from lightning_trn.strategies.mixin import NeuronStrategyMixin
 
 
 class SingleDeviceNeuronStrategy(NeuronStrategyMixin, SingleDeviceStrategy):
-    """One process, one XLA device (`xla:0`); what `Trainer(accelerator="neuron")` picks for one device."""
+    """One process, one device (`xla:0`, or `neuron:0` natively); what `Trainer(accelerator="neuron")` picks for one
+    device."""
 
     strategy_name = "neuron_single"
 
@@ -26,7 +28,7 @@ class SingleDeviceNeuronStrategy(NeuronStrategyMixin, SingleDeviceStrategy):
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         super().__init__(
-            device=torch.device("xla", 0),
+            device=torch.device(get_runtime().device_type, 0),
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,

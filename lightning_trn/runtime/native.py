@@ -1,0 +1,111 @@
+"""The native backend: TorchNeuron's `neuron` device (PyTorch PrivateUse1; torch-neuronx 2.10+, Trn2/Trn3), or the
+CPU stand-in (`lightning_trn.standin`). Eager: there is no graph to cut, and device ops run as they are called.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
+from lightning_trn.runtime.discovery import CPU, NEURON, NeuronUnavailableError, Platform
+from lightning_trn.runtime.environment import EnvironmentPatch
+from lightning_trn.runtime.selection import native_device_available
+
+
+def _standin() -> Optional[ModuleType]:
+    """The stand-in's module when it is this process's `neuron` device (never imported from here: that loads it)."""
+    module = sys.modules.get("lightning_trn.standin")
+    return module if module is not None and module.is_loaded() else None
+
+
+class NativeRuntime(DeviceRuntime):
+    """All calls into the native `neuron` device go through here."""
+
+    name = "native"
+    device_type = "neuron"
+
+    def __init__(self) -> None:
+        self._platform: Optional[Platform] = None
+
+    def is_installed(self) -> bool:
+        return native_device_available()
+
+    def detect_platform(self) -> Platform:
+        if self._platform is None:
+            count = torch.get_device_module("neuron").device_count() if native_device_available() else 0
+            if count < 1:
+                raise NeuronUnavailableError(
+                    "`accelerator='neuron'` on the native backend found no `neuron` device: torch reports "
+                    f"{count}. On a trn2/trn3 check the Neuron driver and NEURON_RT_VISIBLE_CORES; without Trainium "
+                    "set LIGHTNING_TRN_STANDIN=1 before `import lightning_trn`."
+                )
+            if _standin() is not None:  # a CPU pretending: not NeuronCores (software rounding, no runtime switches)
+                self._platform = Platform(CPU, count, "the neuron stand-in (LIGHTNING_TRN_STANDIN_DEVICES)")
+            else:
+                self._platform = Platform(NEURON, count, "torch.neuron.device_count(): logical NeuronCores")
+        return self._platform
+
+    def device(self) -> torch.device:
+        return torch.device(self.device_type, torch.get_device_module(self.device_type).current_device())
+
+    def sync(self, wait: bool = False) -> None:
+        """Eager: nothing to cut. `wait=True` waits for the device's queued work."""
+        if wait:
+            torch.get_device_module(self.device_type).synchronize()
+
+    def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
+        return _to_device(dataloader, device)
+
+    def memory_stats(self, device: torch.device) -> dict[str, Any]:
+        try:
+            return dict(torch.get_device_module(self.device_type).memory_stats(device))
+        except (AttributeError, RuntimeError):
+            return {}
+
+    def metrics(self) -> RuntimeMetrics:
+        """Device reads and host-run ops as the stand-in counts them; TorchNeuron offers no such counters (zeros)."""
+        standin = _standin()
+        if standin is None:
+            return RuntimeMetrics()
+        counts = standin.counters()
+        return RuntimeMetrics(
+            device_to_host=counts["device_to_host"], host_to_device=counts["host_to_device"],
+            scalar_reads=counts["scalar_reads"], cpu_fallbacks=standin.fallback_counts(),
+        )
+
+    def autocast(self, dtype: torch.dtype) -> AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=dtype)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.get_device_module(self.device_type).manual_seed_all(seed)
+
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def supports_cross_process_collectives(self) -> bool:
+        return True
+
+    def configure_process(
+        self, *, global_rank: int, local_rank: int, world_size: int, local_world_size: int, main_address: str,
+        env: EnvironmentPatch,
+    ) -> None:
+        raise NeuronUnavailableError(
+            "Data-parallel training (devices > 1 or num_nodes > 1) on the native `neuron` backend is not in this "
+            "release of lightning_trn: train on one device (`devices=1`), or use the XLA backend "
+            "(torch-neuronx 2.9) for data parallelism."
+        )
+
+    def process_group_backend(self) -> str:
+        return "neuron"
+
+
+def _to_device(dataloader: Iterable, device: torch.device) -> Iterator:
+    for batch in dataloader:
+        yield move_data_to_device(batch, device)

@@ -1,0 +1,97 @@
+"""`Trainer(accelerator="neuron")` on the native backend, with the stand-in as the `neuron` device."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_trn  # noqa: F401  registers accelerator="neuron"
+from lightning_trn.runtime import NeuronUnavailableError, get_runtime, select_backend
+from lightning_trn.runtime.environment import EnvironmentPatch
+
+
+class RecordingModel(BoringModel):
+    """Records where the weights live and what dtype the layer computes in, at every training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.device, torch.dtype, torch.dtype]] = []
+
+    def training_step(self, batch, batch_idx):
+        out = self.layer(batch)
+        self.seen.append((self.layer.weight.device, self.layer.weight.dtype, out.dtype))
+        return self.loss(out)
+
+
+def fit(tmp_path, **trainer_args) -> tuple[RecordingModel, Trainer]:
+    model = RecordingModel()
+    trainer = Trainer(
+        accelerator="neuron", devices=1, max_steps=4, limit_val_batches=2, default_root_dir=tmp_path,
+        enable_progress_bar=False, logger=False, **trainer_args,
+    )
+    trainer.fit(model)
+    return model, trainer
+
+
+def test_the_native_backend_is_chosen_where_torch_has_a_neuron_device() -> None:
+    assert select_backend() == ("native", "torch has the native `neuron` device")
+    assert get_runtime().name == "native" and get_runtime().device() == torch.device("neuron", 0)
+
+
+def test_boring_model_trains_on_the_neuron_device(tmp_path) -> None:
+    model = RecordingModel()
+    before = model.layer.weight.detach().clone()
+    model, trainer = fit(tmp_path)
+    assert trainer.strategy.root_device == torch.device("neuron", 0)
+    assert [device for device, _, _ in model.seen] == [torch.device("neuron", 0)] * 4
+    assert {(weight, out) for _, weight, out in model.seen} == {(torch.float32, torch.float32)}
+    assert not torch.equal(model.layer.weight.detach().cpu(), before)  # it trained
+
+
+def test_bf16_mixed_runs_the_layer_in_bf16_with_fp32_weights(tmp_path) -> None:
+    model, _ = fit(tmp_path, precision="bf16-mixed")
+    assert {(weight, out) for _, weight, out in model.seen} == {(torch.float32, torch.bfloat16)}
+
+
+def test_bf16_true_trains_bf16_weights_with_software_stochastic_rounding(tmp_path) -> None:
+    model = RecordingModel()
+    before = model.layer.weight.detach().to(torch.bfloat16)
+    model, trainer = fit(tmp_path, precision="bf16-true")
+    assert trainer.precision_plugin.software_optimizer_step is not None  # the stand-in is no NeuronCore
+    assert {(weight, out) for _, weight, out in model.seen} == {(torch.bfloat16, torch.bfloat16)}
+    assert not torch.equal(model.layer.weight.detach().cpu(), before)
+
+
+def test_data_parallel_is_refused_with_the_fix() -> None:
+    with pytest.raises(NeuronUnavailableError, match="Data-parallel training.*not in this release"):
+        get_runtime().configure_process(
+            global_rank=0, local_rank=0, world_size=2, local_world_size=2, main_address="127.0.0.1",
+            env=EnvironmentPatch(),
+        )
+
+
+@pytest.mark.slow
+def test_mlp_recipe_reaches_0_9_and_its_checkpoint_loads_without_the_stand_in(tmp_path) -> None:
+    env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
+    run = subprocess.run([sys.executable, "-m", "recipes.mlp", "trainer.enable_progress_bar=false"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "lightning_trn: native backend" in run.stderr
+    accuracy = float(re.search(r"test_acc=([0-9.]+)", run.stdout).group(1))
+    assert accuracy >= 0.9
+    checkpoint = tmp_path / "runs" / "mlp" / "checkpoints" / "last.ckpt"
+    code = (
+        "import sys, torch\n"
+        "assert torch._C._get_privateuse1_backend_name() == 'privateuseone'  # no stand-in here\n"
+        "state = torch.load(sys.argv[1], weights_only=True)['state_dict']\n"
+        "print(sorted({str(t.device) for t in state.values()}))\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "['cpu']"
