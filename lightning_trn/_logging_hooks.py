@@ -65,6 +65,10 @@ def install_deferred_metrics_hook() -> bool:
     return True
 
 
+#: device types of the Neuron backends (torch_xla's, and TorchNeuron's native device)
+_NEURON_DEVICE_TYPES = ("xla", "neuron")
+
+
 def install_result_move_shortcut() -> bool:
     """Wrap `_ResultMetric.to`; returns False if this Lightning version lacks the expected method."""
     result_metric = result._ResultMetric
@@ -76,7 +80,7 @@ def install_result_move_shortcut() -> bool:
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         device = args[0] if len(args) == 1 and not kwargs else None
-        if isinstance(device, torch.device) and device.type == "xla":
+        if isinstance(device, torch.device) and device.type in _NEURON_DEVICE_TYPES:
             if self.__dict__.get(_MOVED_TO) == device:
                 return self
             moved = move(self, *args, **kwargs)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs both test suites: the XLA suite on XLA:CPU (current Python, torch 2.9 + torch-xla) and the native suite on
-# the neuron stand-in (.venv-native/, torch 2.13). Both run even if the first fails; the exit code says if either did.
+# the neuron stand-in (.venv-native/, torch 2.13): tests/standin plus the files shared by both backends (SHARED).
+# Both run even if the first fails; the exit code says if either did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0
 python -m pytest || status=$?
-.venv-native/bin/python -m pytest tests/standin || status=$?
+SHARED=(tests/test_host_syncs.py)
+.venv-native/bin/python -m pytest tests/standin "${SHARED[@]}" || status=$?
 exit "$status"

@@ -1,7 +1,8 @@
 """Test configuration: everything runs on XLA:CPU (`PJRT_DEVICE=CPU`), as the README's test command does.
 
-`tests/standin/` is the native suite: it runs in the native environment (`.venv-native/`, torch 2.13, no torch_xla;
-`scripts/test.sh` runs it there) and is not collected in the XLA one.
+The native environment (`.venv-native/`, torch 2.13, no torch_xla) runs `tests/standin/` and the shared test files
+that `scripts/test.sh` names, on the stand-in `neuron` device with two devices; `tests/standin/` is not collected
+in the XLA environment.
 """
 
 import importlib.util
@@ -12,7 +13,11 @@ import pytest
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-collect_ignore = ["standin"] if importlib.util.find_spec("torch_xla") is not None else []
+if importlib.util.find_spec("torch_xla") is not None:
+    collect_ignore = ["standin"]
+else:
+    os.environ.setdefault("LIGHTNING_TRN_STANDIN_DEVICES", "2")
+    import lightning_trn.standin  # noqa: F401  builds (first time) and loads the stand-in
 
 
 @pytest.fixture(autouse=True)

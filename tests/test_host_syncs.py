@@ -56,7 +56,7 @@ def test_custom_progress_bar_keeps_lightning_behaviour(tmp_path):
     assert isinstance(trainer.progress_bar_metrics["train_loss"], float)
 
 
-def test_result_metric_move_is_skipped_only_when_already_on_that_xla_device(monkeypatch):
+def test_result_metric_move_is_skipped_only_when_already_on_that_device(monkeypatch):
     from lightning.pytorch.trainer.connectors.logger_connector import result
 
     walks = []
@@ -65,12 +65,12 @@ def test_result_metric_move_is_skipped_only_when_already_on_that_xla_device(monk
     metadata = result._Metadata(fx="training_step", name="loss", on_step=True, on_epoch=True)
     metadata.sync = result._Sync()
     logged = result._ResultMetric(metadata, is_tensor=True)
-    xla = get_runtime().device()
+    device = get_runtime().device()
 
-    logged.to(xla)
-    logged.to(xla)  # already there: no walk
-    assert len(walks) == 1 and logged.value.device.type == "xla"
+    logged.to(device)
+    logged.to(device)  # already there: no walk
+    assert len(walks) == 1 and logged.value.device.type == device.type
     logged.to(torch.device("cpu"))  # elsewhere: moved in full (Lightning does this at every epoch end)
     assert len(walks) == 2 and logged.value.device.type == "cpu"
-    logged.to(xla)  # back: moved again, not skipped
-    assert len(walks) == 3 and logged.value.device.type == "xla"
+    logged.to(device)  # back: moved again, not skipped
+    assert len(walks) == 3 and logged.value.device.type == device.type

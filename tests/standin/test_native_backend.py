@@ -45,6 +45,19 @@ def test_the_native_backend_is_chosen_where_torch_has_a_neuron_device() -> None:
     assert get_runtime().name == "native" and get_runtime().device() == torch.device("neuron", 0)
 
 
+def test_runtime_metrics_are_the_stand_in_counters() -> None:
+    from lightning_trn import standin
+
+    x = torch.ones(3, device="neuron")
+    before = get_runtime().metrics()
+    x.sum().item()
+    x.cpu()
+    delta = get_runtime().metrics() - before
+    assert (delta.scalar_reads, delta.device_to_host, delta.compiles) == (1, 1, 0)
+    assert delta.cpu_fallbacks == {"aten::sum.IntList_out": 1}
+    assert get_runtime().metrics().cpu_fallbacks == standin.fallback_counts()
+
+
 def test_boring_model_trains_on_the_neuron_device(tmp_path) -> None:
     model = RecordingModel()
     before = model.layer.weight.detach().clone()
