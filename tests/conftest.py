@@ -15,8 +15,9 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 if importlib.util.find_spec("torch_xla") is not None:
     collect_ignore = ["standin"]
-else:
+else:  # the stand-in in this process and in the processes tests launch (LIGHTNING_TRN_STANDIN is inherited)
     os.environ.setdefault("LIGHTNING_TRN_STANDIN_DEVICES", "2")
+    os.environ["LIGHTNING_TRN_STANDIN"] = "1"
     import lightning_trn.standin  # noqa: F401  builds (first time) and loads the stand-in
 
 

@@ -38,9 +38,13 @@ class HostCollectives(Collectives):
         self._group = group
         self._bucket_bytes = bucket_bytes
 
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Where the collective runs on `tensor`: a host copy (gloo takes host tensors only)."""
+        return tensor.cpu()
+
     def _in_place(self, tensors: list[torch.Tensor], collective: Any) -> None:
         for bucket in _buckets(tensors, self._bucket_bytes):
-            flat = _flatten_dense_tensors([t.detach() for t in bucket]).cpu()
+            flat = self._stage(_flatten_dense_tensors([t.detach() for t in bucket]))
             collective(flat)
             flat = flat.to(bucket[0].device)
             for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
@@ -56,14 +60,14 @@ class HostCollectives(Collectives):
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         name = reduce_op_name(op)
-        host = tensor.detach().cpu().clone()
+        host = self._stage(tensor.detach()).clone()
         dist.all_reduce(host, op=_DIST_OPS[name], group=self._group)
         if name == "mean":
             host = host / self.world_size if host.is_floating_point() else host.float() / self.world_size
         return host.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = tensor.detach().cpu().contiguous()
+        host = self._stage(tensor.detach()).contiguous()
         gathered = [torch.empty_like(host) for _ in range(self.world_size)]
         dist.all_gather(gathered, host, group=self._group)
         return torch.stack(gathered).to(tensor.device)

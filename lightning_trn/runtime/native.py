@@ -14,8 +14,9 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
+from lightning_trn.runtime.collectives import Collectives
 from lightning_trn.runtime.discovery import CPU, NEURON, NeuronUnavailableError, Platform
-from lightning_trn.runtime.environment import EnvironmentPatch
+from lightning_trn.runtime.host_collectives import HostCollectives
 from lightning_trn.runtime.selection import native_device_available
 
 
@@ -92,18 +93,24 @@ class NativeRuntime(DeviceRuntime):
     def supports_cross_process_collectives(self) -> bool:
         return True
 
-    def configure_process(
-        self, *, global_rank: int, local_rank: int, world_size: int, local_world_size: int, main_address: str,
-        env: EnvironmentPatch,
-    ) -> None:
-        raise NeuronUnavailableError(
-            "Data-parallel training (devices > 1 or num_nodes > 1) on the native `neuron` backend is not in this "
-            "release of lightning_trn: train on one device (`devices=1`), or use the XLA backend "
-            "(torch-neuronx 2.9) for data parallelism."
-        )
-
     def process_group_backend(self) -> str:
         return "neuron"
+
+    def collectives(self, world_size: int, group: Any = None) -> Collectives:
+        """Collectives on the device tensors themselves, in the default (`neuron`) process group; `group`, the
+        strategy's gloo group, carries host objects only."""
+        return DeviceCollectives(world_size)
+
+
+class DeviceCollectives(HostCollectives):
+    """`HostCollectives` without the host copies: the `neuron` backend takes device tensors."""
+
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def metric_sync_fn(self) -> None:
+        """torchmetrics' default gather already works: the default group takes device tensors."""
+        return None
 
 
 def _to_device(dataloader: Iterable, device: torch.device) -> Iterator:

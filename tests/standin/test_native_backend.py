@@ -13,8 +13,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
-from lightning_trn.runtime import NeuronUnavailableError, get_runtime, select_backend
-from lightning_trn.runtime.environment import EnvironmentPatch
+from lightning_trn.runtime import get_runtime, select_backend
 
 
 class RecordingModel(BoringModel):
@@ -80,14 +79,6 @@ def test_bf16_true_trains_bf16_weights_with_software_stochastic_rounding(tmp_pat
     assert trainer.precision_plugin.software_optimizer_step is not None  # the stand-in is no NeuronCore
     assert {(weight, out) for _, weight, out in model.seen} == {(torch.bfloat16, torch.bfloat16)}
     assert not torch.equal(model.layer.weight.detach().cpu(), before)
-
-
-def test_data_parallel_is_refused_with_the_fix() -> None:
-    with pytest.raises(NeuronUnavailableError, match="Data-parallel training.*not in this release"):
-        get_runtime().configure_process(
-            global_rank=0, local_rank=0, world_size=2, local_world_size=2, main_address="127.0.0.1",
-            env=EnvironmentPatch(),
-        )
 
 
 @pytest.mark.slow
