@@ -5,7 +5,7 @@ CPU stand-in (`lightning_trn.standin`). Eager: there is no graph to cut, and dev
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any, Optional
@@ -62,7 +62,7 @@ class NativeRuntime(DeviceRuntime):
             torch.get_device_module(self.device_type).synchronize()
 
     def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
-        return _to_device(dataloader, device)
+        return (move_data_to_device(batch, device) for batch in dataloader)
 
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         try:
@@ -111,8 +111,3 @@ class DeviceCollectives(HostCollectives):
     def metric_sync_fn(self) -> None:
         """torchmetrics' default gather already works: the default group takes device tensors."""
         return None
-
-
-def _to_device(dataloader: Iterable, device: torch.device) -> Iterator:
-    for batch in dataloader:
-        yield move_data_to_device(batch, device)

@@ -31,7 +31,7 @@ def select_backend(requested: Optional[str] = None) -> tuple[str, str]:
     """
     source = "NeuronAccelerator(backend=...)"
     if requested is None and os.environ.get(BACKEND_ENV, "").strip():
-        requested, source = os.environ[BACKEND_ENV].strip().lower(), f"{BACKEND_ENV}"
+        requested, source = os.environ[BACKEND_ENV].strip().lower(), BACKEND_ENV
     native, xla = native_device_available(), torch_xla_installed()
     if requested is not None:
         if requested not in BACKENDS:
