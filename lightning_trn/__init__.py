@@ -16,6 +16,7 @@ from lightning_trn.callbacks import CompileMonitor, NeuronCompileCache, NeuronCo
 from lightning_trn.plugins import NeuronCheckpointIO, NeuronPrecision
 from lightning_trn.runtime import NeuronUnavailableError
 from lightning_trn.strategies import NeuronDDPStrategy, SingleDeviceNeuronStrategy
+from lightning_trn.torch_compile import compile
 
 __version__ = "0.1.0.dev0"
 
@@ -32,4 +33,5 @@ __all__ = [
     "NeuronUnavailableError",
     "SingleDeviceNeuronStrategy",
     "__version__",
+    "compile",
 ]

@@ -6,6 +6,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0
 python -m pytest || status=$?
-SHARED=(tests/test_host_syncs.py tests/test_ddp_training.py)
+SHARED=(tests/test_host_syncs.py tests/test_ddp_training.py tests/test_torch_compile.py tests/test_compile_monitor.py)
 .venv-native/bin/python -m pytest tests/standin "${SHARED[@]}" || status=$?
 exit "$status"

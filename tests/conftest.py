@@ -13,12 +13,23 @@ import pytest
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-if importlib.util.find_spec("torch_xla") is not None:
+XLA_SUITE = importlib.util.find_spec("torch_xla") is not None
+
+if XLA_SUITE:
     collect_ignore = ["standin"]
 else:  # the stand-in in this process and in the processes tests launch (LIGHTNING_TRN_STANDIN is inherited)
     os.environ.setdefault("LIGHTNING_TRN_STANDIN_DEVICES", "2")
     os.environ["LIGHTNING_TRN_STANDIN"] = "1"
     import lightning_trn.standin  # noqa: F401  builds (first time) and loads the stand-in
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In the files both suites run, `xla_only` / `native_only` tests run in their own suite only."""
+    other = "native_only" if XLA_SUITE else "xla_only"
+    skip = pytest.mark.skip(reason=f"{other}: {'XLA' if XLA_SUITE else 'native'} suite")
+    for item in items:
+        if item.get_closest_marker(other) is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +58,7 @@ def fake_neuron_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(discovery, "NEURON_SYSFS_ROOT", str(root))
         monkeypatch.setattr(discovery, "NEURON_DEV_GLOB", str(tmp_path / "dev" / "neuron[0-9]*"))
         monkeypatch.delenv("PJRT_DEVICE", raising=False)
-        for var in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES"):
+        for var in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_LOGICAL_NC_CONFIG"):
             monkeypatch.delenv(var, raising=False)
         return root
 

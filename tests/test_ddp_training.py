@@ -63,12 +63,21 @@ def _run_summary(out: Path) -> dict:
     return json.loads((out / "run.json").read_text())
 
 
-def _assert_trained_like_reference(out: Path, reference: dict[str, torch.Tensor], reference_loss: float) -> None:
+def _assert_trained_like_reference(
+    out: Path, reference: dict[str, torch.Tensor], reference_loss: float, devices_per_node: int = 2
+) -> None:
     summary = _run_summary(out)
     assert summary["last_loss"] == pytest.approx(reference_loss, abs=WEIGHT_TOLERANCE)  # `sync_dist=True` averaged it
     assert summary["samples"] == 8 * STEPS  # the torchmetrics state summed over both ranks (2 x batch 4 per step)
     # no `.item()` on a device tensor between steps: Lightning's per-step SIGTERM broadcast would add one per step
     assert summary["scalar_reads"] == 0
+    # native: gradients, `sync_dist` and torchmetrics reduce on the device; XLA:CPU reduces on host copies (gloo)
+    if summary["backend"] == "native":
+        assert summary["device_to_host"] == 0
+        # one device per process: its local rank's
+        assert [(out / f"device_rank{r}.txt").read_text() for r in (0, 1)] == [
+            f"neuron:{r % devices_per_node}" for r in (0, 1)
+        ]
     weights = _weights(out)
     assert weights.keys() == reference.keys()
     assert all(w.device.type == "cpu" for w in weights.values())
@@ -126,7 +135,7 @@ def test_two_nodes_train_and_checkpoint_once(tmp_path: Path, reference: tuple) -
             node.kill()
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["final.ckpt"]
-    _assert_trained_like_reference(tmp_path, *reference)
+    _assert_trained_like_reference(tmp_path, *reference, devices_per_node=1)
 
 
 @pytest.mark.slow

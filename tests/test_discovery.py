@@ -51,6 +51,28 @@ def test_visible_cores_and_num_cores_limit_the_count(fake_neuron_host, monkeypat
     assert count == 2 and "NEURON_RT_VISIBLE_CORES=4-5" in reason
 
 
+def test_trainium2_counts_logical_cores(fake_neuron_host, monkeypatch):
+    fake_neuron_host([8] * 16)  # trn2.48xlarge: 16 Trainium2 devices x 8 physical NeuronCore-v3
+    count, reason = visible_core_count()
+    assert count == 64 and "128 physical" in reason and "NEURON_LOGICAL_NC_CONFIG=2" in reason  # LNC=2 default
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    assert visible_core_count()[0] == 128
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    monkeypatch.setenv("NEURON_RT_NUM_CORES", "100")
+    assert visible_core_count()[0] == 64  # capped at the logical cores
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-3")  # logical core ids: one Trainium2 at LNC=2
+    assert detect_platform().device_count == 4
+
+
+def test_logical_core_config_leaves_trainium1_alone_and_rejects_garbage(fake_neuron_host, monkeypatch):
+    fake_neuron_host([2] * 16)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")  # set for a trn2 fleet, harmless on trn1
+    assert visible_core_count()[0] == 32
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "4")
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG='4'"):
+        visible_core_count()
+
+
 def test_detects_neuron_platform(fake_neuron_host):
     fake_neuron_host([2])
     platform = detect_platform()

@@ -106,6 +106,11 @@ class DeviceRuntime(ABC):
     def supports_cross_process_collectives(self) -> bool:
         """Whether the runtime's collectives really span processes (False on XLA:CPU, see PLATFORM.md)."""
 
+    def compile(self, module: torch.nn.Module, *, fullgraph: bool) -> torch.nn.Module:
+        """`module` under this backend's `torch.compile` compiler (static shapes); unchanged where the backend
+        compiles whole steps itself (XLA)."""
+        return module
+
     def enable_compile_cache(self, path: str) -> bool:
         """Point the backend's persistent compile cache at local directory `path` for the rest of this process.
 

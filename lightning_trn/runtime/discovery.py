@@ -19,6 +19,12 @@ NEURON_SYSFS_ROOT = "/sys/devices/virtual/neuron_device"
 NEURON_DEV_GLOB = "/dev/neuron[0-9]*"
 #: NeuronCores per Neuron device when sysfs does not say (Trainium1 / Inferentia2).
 DEFAULT_CORES_PER_DEVICE = 2
+#: how many physical NeuronCores make one logical core (Trainium2/3; the Neuron runtime reads it)
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+#: its default on Trainium2/3 (a trn2.48xlarge shows 64 of its 128 physical cores)
+DEFAULT_LNC = 2
+#: physical cores per Trainium2/3 device (NeuronCore-v3/v4); Trainium1 and Inferentia2 devices have 2
+LNC_DEVICE_CORES = 8
 
 NEURON = "NEURON"
 CPU = "CPU"
@@ -62,31 +68,59 @@ def parse_core_range(spec: str) -> list[int]:
     return sorted(set(cores))
 
 
-def physical_core_count() -> int:
-    """NeuronCores on this host: the sum of each device's sysfs `core_count`, else devices x 2."""
-    total = 0
+def _device_core_counts() -> list[int]:
+    """Each Neuron device's sysfs `core_count` (physical NeuronCores), else 2 per device node."""
+    counts = []
     for device_dir in sorted(glob.glob(os.path.join(NEURON_SYSFS_ROOT, "neuron[0-9]*"))):
         try:
             with open(os.path.join(device_dir, "core_count")) as f:
-                total += int(f.read().strip())
+                counts.append(int(f.read().strip()))
         except (OSError, ValueError):
-            total += DEFAULT_CORES_PER_DEVICE
-    if total:
-        return total
-    return len(glob.glob(NEURON_DEV_GLOB)) * DEFAULT_CORES_PER_DEVICE
+            counts.append(DEFAULT_CORES_PER_DEVICE)
+    return counts or [DEFAULT_CORES_PER_DEVICE] * len(glob.glob(NEURON_DEV_GLOB))
+
+
+def physical_core_count() -> int:
+    """NeuronCores on this host: the sum of each device's sysfs `core_count`, else devices x 2."""
+    return sum(_device_core_counts())
+
+
+def logical_core_config(env: Optional[dict[str, str]] = None) -> int:
+    """Physical NeuronCores per logical core on Trainium2/3 devices: `NEURON_LOGICAL_NC_CONFIG`, else the runtime's
+    default of 2 there. Trainium1 and Inferentia2 have no logical grouping (1)."""
+    env = os.environ if env is None else env
+    value = env.get(LNC_ENV, "").strip()
+    if not value:
+        return DEFAULT_LNC if any(c >= LNC_DEVICE_CORES for c in _device_core_counts()) else 1
+    if value not in ("1", "2"):
+        raise ValueError(f"Invalid {LNC_ENV}={value!r}: the Neuron runtime accepts 1 or 2 (physical cores per "
+                         "logical NeuronCore).")
+    return int(value)
+
+
+def logical_core_count(env: Optional[dict[str, str]] = None) -> int:
+    """NeuronCores as the runtime and frameworks count them: a Trainium2/3 device (8 physical cores in sysfs) shows
+    8 / `logical_core_config()`; devices with fewer cores (Trainium1, Inferentia2) count as they are."""
+    lnc = logical_core_config(env)
+    return sum(c // lnc if c >= LNC_DEVICE_CORES else c for c in _device_core_counts())
 
 
 def visible_core_count(env: Optional[dict[str, str]] = None) -> tuple[int, str]:
-    """NeuronCores this job may use, honouring `NEURON_RT_VISIBLE_CORES` then `NEURON_RT_NUM_CORES`."""
+    """Logical NeuronCores this job may use, honouring `NEURON_RT_VISIBLE_CORES` (logical core ids) then
+    `NEURON_RT_NUM_CORES`."""
     env = os.environ if env is None else env
-    physical = physical_core_count()
+    logical = logical_core_count(env)
     visible = env.get("NEURON_RT_VISIBLE_CORES", "").strip()
-    if visible and physical:
+    if visible and logical:
         return len(parse_core_range(visible)), f"NEURON_RT_VISIBLE_CORES={visible}"
     num = env.get("NEURON_RT_NUM_CORES", "").strip()
-    if num and num != "0" and physical:
-        return min(int(num), physical), f"NEURON_RT_NUM_CORES={num}"
-    return physical, f"{physical} NeuronCores found under {NEURON_SYSFS_ROOT}"
+    if num and num != "0" and logical:
+        return min(int(num), logical), f"NEURON_RT_NUM_CORES={num}"
+    physical = physical_core_count()
+    if logical == physical:
+        return logical, f"{logical} NeuronCores found under {NEURON_SYSFS_ROOT}"
+    return logical, (f"{logical} logical NeuronCores ({physical} physical under {NEURON_SYSFS_ROOT}, "
+                     f"{LNC_ENV}={logical_core_config(env)})")
 
 
 def detect_platform(env: Optional[dict[str, str]] = None) -> Platform:

@@ -16,6 +16,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
 from lightning_trn.runtime.collectives import Collectives
 from lightning_trn.runtime.discovery import CPU, NEURON, NeuronUnavailableError, Platform
+from lightning_trn.runtime.environment import EnvironmentPatch
 from lightning_trn.runtime.host_collectives import HostCollectives
 from lightning_trn.runtime.selection import native_device_available
 
@@ -71,18 +72,25 @@ class NativeRuntime(DeviceRuntime):
             return {}
 
     def metrics(self) -> RuntimeMetrics:
-        """Device reads and host-run ops as the stand-in counts them; TorchNeuron offers no such counters (zeros)."""
+        """Graphs `torch.compile` built (Dynamo's count, any backend); device reads and CPU-fallback ops as the
+        stand-in counts them (TorchNeuron offers no such counters: zeros there)."""
+        dynamo = sys.modules.get("torch._dynamo.utils")  # never imported from here: only if torch.compile ran
+        compiles = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
         standin = _standin()
         if standin is None:
-            return RuntimeMetrics()
+            return RuntimeMetrics(compiles=compiles)
         counts = standin.counters()
         return RuntimeMetrics(
-            device_to_host=counts["device_to_host"], host_to_device=counts["host_to_device"],
-            scalar_reads=counts["scalar_reads"], cpu_fallbacks=standin.fallback_counts(),
+            compiles=compiles, device_to_host=counts["device_to_host"], host_to_device=counts["host_to_device"],
+            scalar_reads=counts["scalar_reads"], cpu_fallbacks=standin.host_op_counts(),
         )
 
     def autocast(self, dtype: torch.dtype) -> AbstractContextManager:
         return torch.autocast(self.device_type, dtype=dtype)
+
+    def compile(self, module: torch.nn.Module, *, fullgraph: bool) -> torch.nn.Module:
+        """TorchNeuron's `torch.compile` backend (the stand-in registers one of the same name)."""
+        return torch.compile(module, backend="neuron", fullgraph=fullgraph, dynamic=False)
 
     def manual_seed(self, seed: int) -> None:
         torch.get_device_module(self.device_type).manual_seed_all(seed)
@@ -92,6 +100,24 @@ class NativeRuntime(DeviceRuntime):
 
     def supports_cross_process_collectives(self) -> bool:
         return True
+
+    def configure_process(
+        self, *, global_rank: int, local_rank: int, world_size: int, local_world_size: int, main_address: str,
+        env: EnvironmentPatch,
+    ) -> None:
+        """One NeuronCore per process: device `local_rank` of those torch sees. When the launcher already gave each
+        process its own core (`NEURON_RT_VISIBLE_CORES` per rank), torch sees one and it is `neuron:0`."""
+        module = torch.get_device_module(self.device_type)
+        count = module.device_count()
+        if count == 1:
+            return
+        if local_rank >= count:
+            raise NeuronUnavailableError(
+                f"Data-parallel worker with local rank {local_rank} of {local_world_size} on this node, but torch sees "
+                f"only {count} `neuron` devices (logical NeuronCores). Lower `devices` to at most {count}, or widen "
+                "NEURON_RT_VISIBLE_CORES."
+            )
+        module.set_device(local_rank)
 
     def process_group_backend(self) -> str:
         return "neuron"

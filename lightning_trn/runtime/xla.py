@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
 from lightning_trn.runtime.collectives import Collectives
@@ -115,6 +116,12 @@ class XlaRuntime(DeviceRuntime):
 
     def supports_cross_process_collectives(self) -> bool:
         return self.detect_platform().kind != CPU
+
+    def compile(self, module: torch.nn.Module, *, fullgraph: bool) -> torch.nn.Module:
+        """Unchanged: every training step is already traced and compiled as one graph."""
+        rank_zero_info("lightning_trn.compile: the XLA backend already compiles each training step as one graph; the "
+                       "module is returned unchanged.")
+        return module
 
     def enable_compile_cache(self, path: str) -> bool:
         """Neuron: the compiler's cache (`NEURON_COMPILE_CACHE_URL`); XLA:CPU: torch_xla's persistent cache."""

@@ -8,7 +8,8 @@ PrivateUse1 extension once, names the device `neuron`, registers `torch.neuron`,
 It is a development tool, never loaded on a real Neuron host. It differs from the real device: it runs every op
 at once with exact CPU math and every dtype, where TorchNeuron compiles, runs asynchronously and has op-coverage
 gaps. What it does prove: device placement, dtypes under autocast, device->host reads (counted, and refused in
-`strict()` mode), which ops a real device would have to support (`fallback_counts()`), and distributed plumbing.
+`strict()` mode), which ops a real device would have to support (`fallback_counts()`), what an op without a device
+kernel costs (`host_ops()`: its copies become counted transfers), and distributed plumbing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Optional
@@ -28,6 +30,8 @@ from lightning_trn.standin._build import StandinError
 
 #: Environment variable: how many `neuron` devices the stand-in offers (default 1).
 DEVICES_ENV = "LIGHTNING_TRN_STANDIN_DEVICES"
+#: Environment variable: comma-separated ops (`aten::median,aten::nonzero`) to run as CPU-fallback ops (`host_ops`).
+HOST_OPS_ENV = "LIGHTNING_TRN_STANDIN_HOST_OPS"
 
 _ext: Optional[ModuleType] = None
 
@@ -62,6 +66,17 @@ def _device_count() -> int:
     return count
 
 
+def _check_op_names(names: Iterable[str]) -> list[str]:
+    names = [name.strip() for name in names if name.strip()]
+    bad = [name for name in names if not re.fullmatch(r"\w+::\w+", name)]
+    if bad:
+        raise StandinError(
+            f"lightning_trn.standin: {bad} are not op names. Name ops as `namespace::name` without an overload, "
+            f"e.g. `aten::median` (in {HOST_OPS_ENV}: comma-separated)."
+        )
+    return names
+
+
 def _release_finished_backward_tasks() -> None:
     """At exit, make each device's autograd thread drop the last backward's task before Python finalizes.
 
@@ -86,16 +101,18 @@ def load() -> ModuleType:
         return torch.neuron
     _refuse_on_neuron_host()
     count = _device_count()
-    from lightning_trn.standin import _build, device, distributed
+    from lightning_trn.standin import _build, compile, device, distributed
 
     ext = _build.build()
     ext.set_device_count(count)
+    ext.set_host_ops(_check_op_names(os.environ.get(HOST_OPS_ENV, "").split(",")))
     ext.register_hooks()
     torch.utils.rename_privateuse1_backend("neuron")
     device._ext = ext
     torch._register_device_module("neuron", device)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     distributed.register(ext)
+    compile.register()
     atexit.register(_release_finished_backward_tasks)
     _ext = ext
     return torch.neuron
@@ -126,6 +143,25 @@ def fallback_counts() -> dict[str, int]:
     return dict(_loaded().fallback_counts())
 
 
+def host_op_counts() -> dict[str, int]:
+    """Calls of the ops made CPU-fallback ops (`host_ops`, `LIGHTNING_TRN_STANDIN_HOST_OPS`) since the last reset,
+    by full name (`aten::median.dim_values`): what `get_runtime().metrics().cpu_fallbacks` reports on the stand-in."""
+    return dict(_loaded().host_op_counts())
+
+
+@contextmanager
+def host_ops(names: Iterable[str]) -> Iterator[None]:
+    """Inside the block, run the ops `names` (`aten::median`: every overload) as TorchNeuron runs ops it has no
+    kernel for: on the host, with their argument and result copies counted as device->host / host->device transfers
+    (refused in `strict()`) and each call counted in `host_op_counts()`."""
+    ext = _loaded()
+    previous = ext.set_host_ops(_check_op_names(names))
+    try:
+        yield
+    finally:
+        ext.set_host_ops(previous)
+
+
 def reset_counters() -> None:
     _loaded().reset_counters()
 
@@ -141,6 +177,9 @@ def strict() -> Iterator[None]:
         ext.set_strict(previous)
 
 
-__all__ = ["StandinError", "counters", "fallback_counts", "is_loaded", "load", "reset_counters", "strict"]
+__all__ = [
+    "StandinError", "counters", "fallback_counts", "host_op_counts", "host_ops", "is_loaded", "load", "reset_counters",
+    "strict",
+]
 
 load()

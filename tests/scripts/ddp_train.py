@@ -1,10 +1,11 @@
-"""Worker script for tests/test_ddp.py: a few SGD steps of a tiny regression model with `NeuronDDPStrategy`.
+"""Worker script for tests/test_ddp_training.py: a few SGD steps of a tiny regression model with `NeuronDDPStrategy`.
 
 Launched by torchrun or as plain `python ddp_train.py` (the strategy then starts the other ranks itself). Every rank
 initialises the model from a different seed, so only the strategy's broadcast at setup makes the weights equal.
 Writes to --out: `final.ckpt` (through a checkpoint IO that records which rank saved) and, from rank 0, `run.json`
-(the last step's loss, logged with `sync_dist=True`, the torchmetrics sample count, and the device scalar reads
-between steps) and `collectives.json` with the results of `strategy.reduce` / `all_gather` / `broadcast`.
+(the last step's loss, logged with `sync_dist=True`, the torchmetrics sample count, the device scalar reads and
+device-to-host copies between steps, the backend), from every rank `device_rank<r>.txt` (its parameters' device),
+and `collectives.json` with the results of `strategy.reduce` / `all_gather` / `broadcast`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_trn
 from lightning_trn.plugins import NeuronCheckpointIO
-from lightning_trn.runtime import get_runtime
+from lightning_trn.runtime import RuntimeMetrics, get_runtime
 
 FEATURES = 8
 SEED = 1234
@@ -63,17 +64,28 @@ class Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class ScalarReadCounter(pl.Callback):
-    """Device scalar reads (`.item()` on an XLA tensor: a host sync) from the second batch to the last one."""
+class TransferCounter(pl.Callback):
+    """Device scalar reads (`.item()` on a device tensor: a host sync) and device-to-host copies from the second batch
+    to the last one."""
 
     def __init__(self) -> None:
-        self.reads: dict[int, int] = {}
+        self.metrics: dict[int, RuntimeMetrics] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
-        self.reads[batch_idx] = get_runtime().metrics().scalar_reads
+        self.metrics[batch_idx] = get_runtime().metrics()
 
-    def between_steps(self) -> int:
-        return self.reads[max(self.reads)] - self.reads[1]
+    def between_steps(self) -> RuntimeMetrics:
+        return self.metrics[max(self.metrics)] - self.metrics[1]
+
+
+class DeviceRecorder(pl.Callback):
+    """Writes `<out>/device_rank<global rank>.txt`: the device this rank trains on."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        (self.out / f"device_rank{trainer.global_rank}.txt").write_text(str(next(pl_module.parameters()).device))
 
 
 def dataset(samples: int) -> TensorDataset:
@@ -117,14 +129,14 @@ def main() -> None:
     # One process: the same permutation, so its batch k of size world*B holds exactly the world's batches k.
     sampler = None if distributed else DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-    reads = ScalarReadCounter()
+    transfers = TransferCounter()
     trainer = pl.Trainer(
         accelerator="neuron",
         devices=args.devices,
         num_nodes=args.num_nodes,
         strategy=strategy,
         plugins=[RecordingCheckpointIO(args.out)],
-        callbacks=[reads],
+        callbacks=[transfers, DeviceRecorder(args.out)],
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
@@ -137,7 +149,9 @@ def main() -> None:
         run = {
             "last_loss": trainer.callback_metrics["train_loss"].item(),
             "samples": trainer.callback_metrics["samples"].item(),
-            "scalar_reads": reads.between_steps(),
+            "scalar_reads": transfers.between_steps().scalar_reads,
+            "device_to_host": transfers.between_steps().device_to_host,
+            "backend": get_runtime().name,
         }
         (args.out / "run.json").write_text(json.dumps(run))
     if distributed:

@@ -127,6 +127,22 @@ def test_fallback_ops_are_counted_by_name() -> None:
     assert standin.fallback_counts() == {}
 
 
+def test_host_ops_run_like_cpu_fallback_ops_only_inside_the_block() -> None:
+    a = torch.randn(4, device="neuron")
+    standin.reset_counters()
+    with standin.host_ops(["aten::relu"]):
+        torch.relu(a)
+        a + a  # not named: served on the device as before
+        with standin.strict(), pytest.raises(RuntimeError, match="strict mode"):
+            torch.relu(a)  # a CPU-fallback op reads the device
+    torch.relu(a)
+    assert standin.host_op_counts() == {"aten::relu": 2}
+    assert standin.counters()["device_to_host"] == 1  # the first relu's input (the strict one stopped at its read)
+    with pytest.raises(standin.StandinError, match="`namespace::name`"):
+        with standin.host_ops(["relu"]):
+            pass
+
+
 def test_strict_mode_refuses_device_reads() -> None:
     a = torch.randn(4, device="neuron")
     with standin.strict():

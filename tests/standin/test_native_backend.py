@@ -53,8 +53,13 @@ def test_runtime_metrics_are_the_stand_in_counters() -> None:
     x.cpu()
     delta = get_runtime().metrics() - before
     assert (delta.scalar_reads, delta.device_to_host, delta.compiles) == (1, 1, 0)
-    assert delta.cpu_fallbacks == {"aten::sum.IntList_out": 1}
-    assert get_runtime().metrics().cpu_fallbacks == standin.fallback_counts()
+    assert delta.cpu_fallbacks == {}  # the stand-in serves every op on the host, but none is a CPU-fallback op
+    with standin.host_ops(["aten::sum"]):  # now sum runs as TorchNeuron runs ops it has no kernel for
+        x.sum()
+    delta = get_runtime().metrics() - before
+    assert delta.cpu_fallbacks == {"aten::sum.IntList_out": 1} == standin.host_op_counts()
+    # its input and its out= buffer copied to the host, the result copied back
+    assert (delta.device_to_host - 1, delta.host_to_device) == (2, 1)
 
 
 def test_boring_model_trains_on_the_neuron_device(tmp_path) -> None:

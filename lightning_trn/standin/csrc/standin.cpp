@@ -3,7 +3,8 @@
 // Device memory is host memory. A handful of kernels are native to the device (creation, views, copies, scalar
 // reads, dropout); every other op runs on the CPU through a boxed fallback that first checks that the op does not
 // mix devices, as a real accelerator would refuse to. Counters record device->host copies, scalar reads and the ops
-// the fallback served, by name; strict mode raises on any device->host read. Written against PyTorch 2.13.
+// the fallback served, by name; ops named in set_host_ops() act as the real device's CPU-fallback ops (their copies
+// count as transfers); strict mode raises on any device->host read. Written against PyTorch 2.13.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
@@ -26,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -57,6 +59,10 @@ std::atomic<int64_t> g_scalar_reads{0};
 std::atomic<bool> g_strict{false};
 std::mutex g_fallback_mutex;
 std::map<std::string, int64_t> g_fallback_counts;
+// Ops (by name, any overload) the stand-in treats as missing on the device, like TorchNeuron's CPU fallback ops:
+// their copies are counted as transfers, and each call is counted here by full name.
+std::set<std::string> g_host_ops;
+std::map<std::string, int64_t> g_host_op_counts;
 // True while the CPU fallback moves an op's arguments and results: those copies are the stand-in's own
 // plumbing (a real device runs the op where the data is), so they are neither counted nor refused.
 thread_local bool t_in_fallback = false;
@@ -445,12 +451,20 @@ struct InFallback {
 
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto device = check_devices(op, *stack);
+  bool host_op = false;
   {
     std::lock_guard<std::mutex> lock(g_fallback_mutex);
     const auto& name = op.schema().operator_name();
-    g_fallback_counts[name.overload_name.empty() ? name.name : name.name + "." + name.overload_name]++;
+    const auto full = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+    g_fallback_counts[full]++;
+    host_op = g_host_ops.count(name.name) > 0;
+    if (host_op) g_host_op_counts[full]++;
   }
   use_device_generators(op, *stack, device ? device->index() : t_current_device);
+  if (host_op) {  // as the real device's CPU fallback: its argument and result copies are counted transfers
+    at::native::cpu_fallback(op, stack);
+    return;
+  }
   InFallback guard;
   at::native::cpu_fallback(op, stack);
 }
@@ -474,12 +488,25 @@ std::map<std::string, int64_t> fallback_counts() {
   return g_fallback_counts;
 }
 
+std::map<std::string, int64_t> host_op_counts() {
+  std::lock_guard<std::mutex> lock(g_fallback_mutex);
+  return g_host_op_counts;
+}
+
+std::vector<std::string> set_host_ops(const std::vector<std::string>& names) {
+  std::lock_guard<std::mutex> lock(g_fallback_mutex);
+  std::vector<std::string> previous(g_host_ops.begin(), g_host_ops.end());
+  g_host_ops = std::set<std::string>(names.begin(), names.end());
+  return previous;
+}
+
 void reset_counters() {
   g_device_to_host = 0;
   g_host_to_device = 0;
   g_scalar_reads = 0;
   std::lock_guard<std::mutex> lock(g_fallback_mutex);
   g_fallback_counts.clear();
+  g_host_op_counts.clear();
 }
 
 void register_hooks() {
@@ -542,6 +569,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("default_generator", [](int d) { return standin::default_generator(static_cast<c10::DeviceIndex>(d)); });
   m.def("counters", &standin::counters);
   m.def("fallback_counts", &standin::fallback_counts);
+  m.def("host_op_counts", &standin::host_op_counts);
+  m.def("set_host_ops", &standin::set_host_ops);
   m.def("reset_counters", &standin::reset_counters);
   m.def("set_strict", [](bool on) { return standin::g_strict.exchange(on); });
   standin::bind_distributed(m);
