@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Runs both test suites: the XLA suite on XLA:CPU (current Python, torch 2.9 + torch-xla) and the native suite on
 # the neuron stand-in (.venv-native/, torch 2.13): tests/standin plus the files shared by both backends (SHARED).
-# Both run even if the first fails; the exit code says if either did.
+# Both run even if the first fails; the exit code says if either did. The XLA suite also resumes checkpoints across
+# the two environments (tests/test_cross_backend.py), so the native one must exist.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0
-python -m pytest || status=$?
+LIGHTNING_TRN_REQUIRE_NATIVE=1 python -m pytest || status=$?
 SHARED=(tests/test_host_syncs.py tests/test_ddp_training.py tests/test_torch_compile.py tests/test_compile_monitor.py)
 .venv-native/bin/python -m pytest tests/standin "${SHARED[@]}" || status=$?
 exit "$status"
