@@ -34,10 +34,10 @@ def test_overhead_prints_both_sides_and_their_ratio():
         assert math.isfinite(float(row[column]))
 
 
-def test_xla_behaviour_finds_no_transfers_or_fallbacks_between_logging_steps():
+def test_device_behaviour_finds_no_transfers_or_fallbacks_between_logging_steps():
     # warm-up past the first logging step (50) and epoch end (110): their graphs compile once, then the timed steps
     # include the logging step 150
-    rows = run_benchmark("benchmarks.xla_behaviour", "--workloads", "mlp", "--warmup", "115", "--steps", "40")
+    rows = run_benchmark("benchmarks.device_behaviour", "--workloads", "mlp", "--warmup", "115", "--steps", "40")
     plugin = next(row for row in rows if row["loop"] == "plugin")
     assert plugin["compiles after warm-up"] == "0"
     assert plugin["none on other steps"] == "yes"

@@ -1,6 +1,6 @@
-"""XLA behaviour of each recipe's training loop: compiles after warm-up, host transfers per step, CPU fallbacks.
+"""Device behaviour of each recipe's training loop: compiles after warm-up, host transfers per step, CPU fallbacks.
 
-`PJRT_DEVICE=CPU python -m benchmarks.xla_behaviour [--workloads mlp vit bert] [--steps N] [--warmup N]`
+`PJRT_DEVICE=CPU python -m benchmarks.device_behaviour [--workloads mlp vit bert] [--steps N] [--warmup N]`
 
 One run per side (plugin, then hand-written) with the runtime's counters (`get_runtime().metrics()`, from
 `torch_xla.debug.metrics`) read before every timed step. Targets for the plugin: 0 compiles after warm-up, no
@@ -14,7 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python benchmarks/xla_behaviour.py`: make the repo root importable
+if __package__ in (None, ""):  # `python benchmarks/device_behaviour.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._harness import (  # noqa: E402
@@ -39,7 +39,7 @@ def transfers_by_kind(run: Measurement) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[list[object]]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.xla_behaviour", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.device_behaviour", description=__doc__.splitlines()[0])
     add_workload_args(parser)
     args = parser.parse_args(argv)
     rows = []
