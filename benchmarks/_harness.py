@@ -1,14 +1,17 @@
 """What the benchmarks share: the recipe workloads, a step clock, and the two training loops they compare.
 
 - `run_plugin`: `Trainer(accelerator="neuron")` with a CSVLogger and the (default) progress bar, checkpointing off.
-- `run_baseline`: the hand-written torch_xla loop on the same module, data, batch and device: `MpDeviceLoader`, the
-  module's own `training_step`, `loss.backward()`, `xm.optimizer_step(opt)`, one `torch_xla.sync()` per step.
+- `run_baseline`: the hand-written loop on the same module, data, batch and device. On XLA: `MpDeviceLoader`, the
+  module's own `training_step`, `loss.backward()`, `xm.optimizer_step(opt)`, one `torch_xla.sync()` per step. On the
+  native backend (TorchNeuron, or the stand-in): batches moved with `.to(device)`, `training_step`, `backward`,
+  `opt.step()`: the eager loop of AWS's TorchNeuron examples.
 
 Both also run on the CPU (`accelerator="cpu"`: stock Lightning, and a plain PyTorch loop), to measure what
 Lightning's own loop costs per step without lightning_trn or XLA in it.
 
 Both time only steady-state steps: the clock starts at the first step after `warmup` (once the device is idle) and
-stops after the last step once the device finished (`xm.wait_device_ops()`, which waits without cutting a graph).
+stops after the last step once the device finished (`xm.wait_device_ops()`, which waits without cutting a graph;
+`torch.neuron.synchronize()` natively).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib
 import os
 import statistics
 import sys
@@ -32,8 +36,9 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
-from recipes import bert, mlp, vit
 from recipes.classifier import ClassifierModule
 from recipes.cli import load_config
 from recipes.common import Recipe
@@ -41,14 +46,26 @@ from recipes.common import Recipe
 
 @dataclass(frozen=True)
 class Workload:
-    """A recipe with small overrides, and how many steps to warm up (compiles) and to time."""
+    """A recipe (`recipes.<name>`, imported when first used) with small overrides, and how many steps to warm up
+    (compiles) and to time."""
 
     name: str
-    recipe: Recipe
     overrides: tuple[str, ...]
     warmup: int
     steps: int
     log_every_n_steps: int
+
+    @property
+    def recipe(self) -> Recipe:
+        return importlib.import_module(f"recipes.{self.name}").RECIPE
+
+    def available(self) -> bool:
+        """Whether the recipe's packages are installed (the native environment has no timm: no `vit`)."""
+        try:
+            self.recipe
+        except ImportError:
+            return False
+        return True
 
 
 #: warm-up covers the first epoch end (MNIST-5k: 110 batches of 32) so every graph variant has compiled before timing;
@@ -56,18 +73,17 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
-        Workload("mlp", mlp.RECIPE, (), warmup=120, steps=1000, log_every_n_steps=50),
-        Workload("vit", vit.RECIPE, (), warmup=115, steps=120, log_every_n_steps=50),
-        Workload("bert", bert.RECIPE, ("data.batch_size=8", "data.max_length=64"), warmup=4, steps=20,
-                 log_every_n_steps=10),
+        Workload("mlp", (), warmup=120, steps=1000, log_every_n_steps=50),
+        Workload("vit", (), warmup=115, steps=120, log_every_n_steps=50),
+        Workload("bert", ("data.batch_size=8", "data.max_length=64"), warmup=4, steps=20, log_every_n_steps=10),
     )
 }
 
 
 def add_workload_args(parser: argparse.ArgumentParser, repeats: Optional[int] = None) -> None:
     """`--workloads`, `--steps`, `--warmup` (and `--repeats` when `repeats` is given as its default)."""
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
-                        help="recipes to run (default: all)")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None,
+                        help="recipes to run (default: all whose packages are installed)")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per run (default per workload: "
                              + ", ".join(f"{w.name} {w.steps}" for w in WORKLOADS.values()) + ")")
@@ -80,7 +96,9 @@ def add_workload_args(parser: argparse.ArgumentParser, repeats: Optional[int] = 
 
 def selected_workloads(args: argparse.Namespace) -> list[Workload]:
     """The workloads named on the command line with `--steps` / `--warmup` applied."""
-    chosen = [WORKLOADS[name] for name in args.workloads]
+    chosen = [WORKLOADS[name] for name in args.workloads] if args.workloads else [
+        w for w in WORKLOADS.values() if w.available()
+    ]
     return [
         replace(w, steps=args.steps if args.steps is not None else w.steps,
                 warmup=args.warmup if args.warmup is not None else w.warmup)
@@ -108,10 +126,13 @@ def fresh_module(workload: Workload) -> ClassifierModule:
 
 
 def wait_for_device() -> None:
-    """Block until the device has run everything launched so far (does not cut the pending graph)."""
-    import torch_xla.core.xla_model as xm
+    """Block until the device has run everything launched so far (on XLA without cutting the pending graph)."""
+    if get_runtime().name == "xla":
+        import torch_xla.core.xla_model as xm
 
-    xm.wait_device_ops()
+        xm.wait_device_ops()
+    else:
+        get_runtime().sync(wait=True)
 
 
 @dataclass
@@ -231,16 +252,19 @@ def _device_batches(loader: DataLoader, device: torch.device, loader_cuts: bool)
         yield from MpDeviceLoader(loader, device, **options)
 
 
-def _host_batches(loader: DataLoader) -> Iterator[Any]:
+def _host_batches(loader: DataLoader, device: Optional[torch.device] = None) -> Iterator[Any]:
+    """The loader's batches, epoch after epoch, moved to `device` if given."""
     while True:
-        yield from loader
+        for batch in loader:
+            yield batch if device is None else move_data_to_device(batch, device)
 
 
 def run_baseline(
     workload: Workload, record_steps: bool = False, accelerator: str = "neuron", loader_cuts: bool = True
 ) -> Measurement:
-    """The hand-written torch_xla loop around the module's own `training_step` (its `self.log` is a no-op here);
-    with `accelerator="cpu"`, the plain PyTorch loop on the CPU (`optimizer.step()`, no device, no sync).
+    """The hand-written loop around the module's own `training_step` (its `self.log` is a no-op here): torch_xla's
+    on XLA, the eager one on the native backend; with `accelerator="cpu"`, the plain PyTorch loop on the CPU
+    (`optimizer.step()`, no device, no sync).
 
     `loader_cuts=False` builds `MpDeviceLoader` so that it never syncs, as the plugin does: by default it syncs before
     every batch, and that sync, with nothing left to run after the step's own, takes about the step's execution
@@ -248,8 +272,10 @@ def run_baseline(
     _, loader = config_and_loader(workload)
     module = fresh_module(workload)
     optimizer_step: Callable[[torch.optim.Optimizer], Any]
-    if accelerator == "cpu":
-        batches = _host_batches(loader)
+    if accelerator == "cpu" or get_runtime().name == "native":
+        device = torch.device("cpu") if accelerator == "cpu" else get_runtime().device()
+        module.to(device)
+        batches = _host_batches(loader, None if accelerator == "cpu" else device)
 
         def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
             optimizer.step()
@@ -296,8 +322,13 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def describe_machine() -> str:
-    """One line: date, device type and host cores, for the results table."""
-    import torch_xla.runtime as xr
+    """One line: date, backend and device, host cores, versions, for the results table."""
+    runtime = get_runtime()
+    if runtime.name == "xla":
+        import torch_xla.runtime as xr
 
-    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, XLA device {xr.device_type()}, "
-            f"{os.cpu_count()} host cores, torch {torch.__version__}, lightning {pl.__version__}")
+        device = f"XLA device {xr.device_type()}"
+    else:
+        device = f"native backend, {runtime.detect_platform().reason}"
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device}, {os.cpu_count()} host cores, "
+            f"torch {torch.__version__}, lightning {pl.__version__}")

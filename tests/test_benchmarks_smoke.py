@@ -1,4 +1,5 @@
-"""The benchmark scripts run end to end with a few MLP steps, through their documented command lines."""
+"""The benchmark scripts run end to end with a few MLP steps, through their documented command lines, on the backend
+of the suite (`overhead` and `device_behaviour` on both; `compile_cache` on XLA only)."""
 
 import math
 import os
@@ -45,6 +46,7 @@ def test_device_behaviour_finds_no_transfers_or_fallbacks_between_logging_steps(
     assert plugin["CPU fallbacks (whole run)"] == "0"
 
 
+@pytest.mark.xla_only  # the persistent compile cache is torch_xla's
 def test_compile_cache_warm_run_finds_every_graph_of_the_cold_run():
     cold, warm, _ = run_benchmark("benchmarks.compile_cache", "--workload", "mlp", "--steps", "2")
     assert (cold["run"], warm["run"]) == ("cold", "warm")

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 
+import lightning_trn
 from lightning_trn import NeuronPrecision
 from lightning_trn.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags
 from lightning_trn.runtime import BACKEND_ENV, discovery, selection
@@ -96,6 +98,11 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
 
         return make
 
+    def logical_core_config():
+        fake_neuron_host([8, 8])
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "4")
+        Trainer(accelerator="neuron", logger=False)
+
     actions: dict[str, Callable[[], object]] = {
         "unknown-precision": lambda: Trainer(accelerator="neuron", precision="16-mixed", logger=False),
         "too-many-devices": too_many_devices,
@@ -114,6 +121,8 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         "backend-both-stacks": backend_both_stacks,
         "backend-native-missing": backend_from_env("native"),
         "backend-unknown": backend_from_env("tpu"),
+        "compile-dynamic": lambda: lightning_trn.compile(torch.nn.Linear(2, 2), dynamic=True),
+        "logical-core-config": logical_core_config,
     }
     return lambda row: message_of(actions[row])
 
@@ -126,4 +135,4 @@ def test_documented_message(row, fragments, trigger):
 
 
 def test_table_has_every_row():
-    assert len(documented_rows()) == 17
+    assert len(documented_rows()) == 19

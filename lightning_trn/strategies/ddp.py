@@ -3,7 +3,8 @@
 Processes come from torchrun (also under SageMaker's `torch_distributed`), SLURM, or this strategy itself when the
 script is started with plain `python train.py` (Lightning's `_SubprocessScriptLauncher`, as its DDP does). The model
 is not wrapped in torch's DistributedDataParallel: gradients are averaged explicitly, bucketed, once per optimizer
-step, by the runtime's collectives (`xm` on Neuron, gloo on host copies on XLA:CPU).
+step, by the runtime's collectives (`xm` on Neuron with torch_xla, gloo on host copies on XLA:CPU, the `neuron`
+process group on the device tensors natively).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class NeuronDDPStrategy(NeuronStrategyMixin, ParallelStrategy):
     """What `Trainer(accelerator="neuron", devices=N, num_nodes=M)` picks for N*M > 1 processes.
 
     Args:
-        process_group_backend: `torch.distributed` backend of the default group; by default `xla` on Neuron and
-            `gloo` on XLA:CPU. `xla` is refused on XLA:CPU, whose runtime collectives do not span processes.
+        process_group_backend: `torch.distributed` backend of the default group; by default `xla` on Neuron with
+            torch_xla, `gloo` on XLA:CPU, `neuron` on the native backend. `xla` is refused on XLA:CPU, whose runtime collectives do not span processes.
         timeout: timeout of the process groups: a rank waiting on a dead peer fails after at most this long.
     """
 
@@ -73,7 +74,7 @@ class NeuronDDPStrategy(NeuronStrategyMixin, ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        """Each process sees its own NeuronCore as the XLA device `xla:0`."""
+        """This process's NeuronCore: `xla:0` on XLA (each process sees only its own), `neuron:<local rank>` natively."""
         return self.runtime.device()
 
     @property

@@ -87,3 +87,12 @@ def test_it_refuses_when_torch_already_has_a_custom_device() -> None:
 def test_bad_device_count(value: str) -> None:
     result = run(PRINT_TENSOR, LIGHTNING_TRN_STANDIN_DEVICES=value)
     assert_one_paragraph_error(result, f"LIGHTNING_TRN_STANDIN_DEVICES={value!r}", "1 to 64")
+
+
+def test_host_ops_from_the_environment() -> None:
+    code = ("import torch, lightning_trn.standin as s; x = torch.ones(3, device='neuron'); torch.relu(x); x + x; "
+            "print(s.host_op_counts())")
+    result = run(code, LIGHTNING_TRN_STANDIN_HOST_OPS="aten::relu, aten::median")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "{'aten::relu': 1}"
+    assert_one_paragraph_error(run(code, LIGHTNING_TRN_STANDIN_HOST_OPS="relu"), "['relu'] are not op names")

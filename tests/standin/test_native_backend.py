@@ -104,3 +104,18 @@ def test_mlp_recipe_reaches_0_9_and_its_checkpoint_loads_without_the_stand_in(tm
     )
     loaded = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "['cpu']"
+
+
+def test_each_local_rank_takes_its_own_device_and_too_many_ranks_are_refused() -> None:
+    from lightning_trn.runtime import NativeRuntime, NeuronUnavailableError
+    from lightning_trn.runtime.environment import EnvironmentPatch
+
+    runtime, env = NativeRuntime(), EnvironmentPatch()
+    common = {"world_size": 3, "local_world_size": 3, "main_address": "127.0.0.1", "env": env}
+    try:
+        runtime.configure_process(global_rank=1, local_rank=1, **common)
+        assert runtime.device() == torch.device("neuron", 1)
+        with pytest.raises(NeuronUnavailableError, match="local rank 2 of 3 on this node, but torch sees only 2"):
+            runtime.configure_process(global_rank=2, local_rank=2, **common)
+    finally:
+        torch.neuron.set_device(0)
