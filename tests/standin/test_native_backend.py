@@ -48,6 +48,7 @@ def test_runtime_metrics_are_the_stand_in_counters() -> None:
     from lightning_trn import standin
 
     x = torch.ones(3, device="neuron")
+    standin.reset_counters()
     before = get_runtime().metrics()
     x.sum().item()
     x.cpu()
