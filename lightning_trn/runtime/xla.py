@@ -8,13 +8,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
 from lightning_trn.runtime.collectives import Collectives
@@ -44,6 +46,30 @@ def _import(module: str) -> ModuleType:
     return importlib.import_module(module)
 
 
+class _TensorSlot:
+    """Where a batch held a tensor, in the skeleton of containers `prefetch` keeps while the tensors move."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _split_tensors(batch: Any) -> tuple[list[torch.Tensor], Any]:
+    """The batch's tensors in order, and the batch with each replaced by its `_TensorSlot`."""
+    tensors: list[torch.Tensor] = []
+
+    def take(tensor: torch.Tensor) -> _TensorSlot:
+        tensors.append(tensor)
+        return _TensorSlot(len(tensors) - 1)
+
+    return tensors, apply_to_collection(batch, torch.Tensor, take)
+
+
+def _join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    return apply_to_collection(skeleton, _TensorSlot, lambda slot: tensors[slot.index])
+
+
 class XlaRuntime(DeviceRuntime):
     """All calls into torch_xla go through here."""
 
@@ -71,11 +97,24 @@ class XlaRuntime(DeviceRuntime):
         _import("torch_xla").sync(wait=wait)
 
     def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
+        """`MpDeviceLoader` on the batches' tensors only: it would turn tuples, namedtuples, dict subclasses and
+        dataclasses into lists and dicts, so each batch's containers travel beside it and are rebuilt around the
+        device tensors, as Lightning's own transfer keeps them."""
         parallel_loader = _import("torch_xla.distributed.parallel_loader")
+        skeletons: deque = deque()  # filled by the loader's background thread, in batch order
+
+        class TensorsOnly:
+            def __iter__(self) -> Iterator[list[torch.Tensor]]:
+                for batch in dataloader:
+                    tensors, skeleton = _split_tensors(batch)
+                    skeletons.append(skeleton)
+                    yield tensors
+
         # MpDeviceLoader would also sync at every batch; after the strategy's own cut that sync has nothing to run,
         # yet in a training loop it takes about the step graph's execution time, while the host could be tracing
         # the next step (benchmarks/README.md)
-        return parallel_loader.MpDeviceLoader(dataloader, device, batches_per_execution=sys.maxsize)
+        moved = parallel_loader.MpDeviceLoader(TensorsOnly(), device, batches_per_execution=sys.maxsize)
+        return (_join_tensors(skeletons.popleft(), tensors) for tensors in moved)
 
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         xm = _import("torch_xla.core.xla_model")
