@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import common
+from recipes import common, schema
 from recipes.common import Recipe
 
 _OPEN_SECTIONS = ("trainer.",)
@@ -30,14 +30,23 @@ def _flatten(container: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def load_config(recipe: Recipe, overrides: Sequence[str] = ()) -> DictConfig:
-    """The recipe's YAML defaults merged with `key=value` overrides; raises `KeyError` for an unknown key."""
+    """The recipe's YAML defaults merged with `key=value` overrides.
+
+    Raises:
+        KeyError: an unknown key.
+        ValueError: a value of the wrong type or out of range (`recipes.schema`), naming key, value and expectation.
+    """
     base = OmegaConf.load(recipe.config_path)
     known = _flatten(OmegaConf.to_container(base))
     update = OmegaConf.from_dotlist(list(overrides))
     for key in _flatten(OmegaConf.to_container(update)):
         if key not in known and not key.startswith(_OPEN_SECTIONS):
             raise KeyError(f"Unknown config key {key!r} for recipe {recipe.name!r}; known keys: {', '.join(known)}")
-    return OmegaConf.merge(base, update)  # type: ignore[return-value]
+    merged = OmegaConf.merge(base, update)
+    problem = schema.check(_flatten(OmegaConf.to_container(merged)), known)
+    if problem is not None:
+        raise ValueError(f"recipes.{recipe.name}: {problem}")
+    return merged  # type: ignore[return-value]
 
 
 def usage(recipe: Recipe) -> str:
@@ -72,7 +81,7 @@ def main(recipe: Recipe, argv: Optional[Sequence[str]] = None) -> Any:
         return common.export(recipe, parsed["ckpt"], parsed["out"])
     try:
         cfg = load_config(recipe, args)
-    except KeyError as err:
+    except (KeyError, ValueError) as err:
         raise SystemExit(err.args[0]) from None
     print(OmegaConf.to_yaml(cfg, resolve=True))
     return common.fit(recipe, cfg)

@@ -3,6 +3,8 @@ offline data."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from timm.layers import PatchEmbed
@@ -101,6 +103,28 @@ def test_config_overrides_and_unknown_keys():
     assert cfg.model.lr == 0.01 and cfg.trainer.accelerator == "neuron"
     with pytest.raises(KeyError, match="data.batchsize"):
         cli.load_config(MLP, ["data.batchsize=64"])
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("data.batch_size=abc", "data.batch_size='abc': expected an integer (default 32)"),
+    ("data.batch_size=0", "data.batch_size=0: expected a value greater than 0"),
+    ("data.batch_size=2.5", "data.batch_size=2.5: expected an integer"),
+    ("model.lr=fast", "model.lr='fast': expected a number (default 0.01)"),
+    ("model.lr=-1", "model.lr=-1: expected a value greater than 0"),
+    ("data.val_fraction=1.5", "data.val_fraction=1.5: expected a value in [0, 1)"),
+    ("model.hidden=[16,x]", "model.hidden=[16, 'x']: expected a list like [1, 2]"),
+    ("out_dir=[1]", "out_dir=[1]: expected a string"),
+])
+def test_wrong_value_types_name_key_value_and_expectation(override, expected):
+    with pytest.raises(ValueError, match=re.escape(f"recipes.mlp: Config key {expected}")):
+        cli.load_config(MLP, [override])
+    with pytest.raises(SystemExit, match=re.escape(expected)):  # the command line: that one line, no traceback
+        cli.main(MLP, [override])
+
+
+def test_numbers_are_accepted_in_any_spelling():
+    cfg = cli.load_config(MLP, ["model.lr=1e-3", "model.momentum=0", "data.val_fraction=0"])
+    assert (cfg.model.lr, cfg.model.momentum, cfg.data.val_fraction) == (1e-3, 0, 0)
 
 
 def test_help_lists_every_key(capsys):
