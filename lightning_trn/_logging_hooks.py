@@ -36,6 +36,14 @@ _DEFER_CONVERSION: ContextVar[bool] = ContextVar("lightning_trn_defer_pbar_conve
 _MOVED_TO = "_lightning_trn_device"
 
 
+def settle_progress_bar_metrics(trainer: Any) -> None:
+    """End of a run that deferred the progress-bar conversion (hook 1): turn the stored values into Python numbers
+    once, as Lightning leaves them (`trainer.progress_bar_metrics` must stay JSON-serialisable after `fit`)."""
+    connector = trainer._logger_connector
+    if hasattr(connector, "_progress_bar_metrics"):
+        connector._progress_bar_metrics = result.convert_tensors_to_scalars(connector.progress_bar_metrics)
+
+
 def install_deferred_metrics_hook() -> bool:
     """Wrap the progress-bar conversion; returns False if this Lightning version lacks the expected internals."""
     connector = logger_connector._LoggerConnector

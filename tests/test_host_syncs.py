@@ -1,5 +1,7 @@
 """No device-to-host transfer between logging intervals, with a logger and the progress bar on."""
 
+import json
+
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -43,6 +45,17 @@ def test_no_transfers_between_logging_steps(tmp_path, bar, redraw_clock):
     shown = trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)
     assert isinstance(shown["train_loss"], float)
     assert trainer.logged_metrics["train_loss"] is not None
+
+
+def test_progress_bar_metrics_are_numbers_after_fit(tmp_path):
+    """Kept as device tensors during the run, they are plain numbers afterwards, as in Lightning (JSON-ready)."""
+    trainer = Trainer(accelerator="neuron", max_steps=3, default_root_dir=tmp_path, logger=False,
+                      enable_checkpointing=False)
+    trainer.fit(RegressionModel())
+    assert trainer.strategy.defer_progress_bar_metrics
+    metrics = trainer.progress_bar_metrics
+    assert isinstance(metrics["train_loss"], float)
+    assert json.loads(json.dumps(metrics)) == metrics
 
 
 def test_custom_progress_bar_keeps_lightning_behaviour(tmp_path):

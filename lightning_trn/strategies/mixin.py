@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import find_shared_parameters, set_shared_param
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
+from lightning_trn._logging_hooks import settle_progress_bar_metrics
 from lightning_trn._loop_shortcuts import install_run_shortcuts
 from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin, host_sync_free_replacement
 from lightning_trn.plugins.io import NeuronCheckpointIO
@@ -194,6 +195,13 @@ class NeuronStrategyMixin:
             if instance is not None
             for hook in _BATCH_TRANSFER_HOOKS
         )
+
+    def teardown(self) -> None:
+        """Hand the deferred progress-bar metrics back as numbers (one host read), then Lightning's teardown."""
+        module = self._lightning_module  # type: ignore[attr-defined]
+        if self.defer_progress_bar_metrics and module is not None and module._trainer is not None:
+            settle_progress_bar_metrics(module._trainer)
+        super().teardown()  # type: ignore[misc]
 
     def _seed_device(self) -> None:
         """Make `seed_everything(s)` reach the device RNG (dropout, stochastic rounding): every rank gets the same
