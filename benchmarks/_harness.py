@@ -32,11 +32,10 @@ from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
-
-from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
 from recipes.classifier import ClassifierModule

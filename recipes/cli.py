@@ -17,9 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 from recipes import common, schema
 from recipes.common import Recipe
 
-_OPEN_SECTIONS = ("trainer.",)
-
-
 def _flatten(container: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(container, dict):
         return {prefix: container}
@@ -40,7 +37,7 @@ def load_config(recipe: Recipe, overrides: Sequence[str] = ()) -> DictConfig:
     known = _flatten(OmegaConf.to_container(base))
     update = OmegaConf.from_dotlist(list(overrides))
     for key in _flatten(OmegaConf.to_container(update)):
-        if key not in known and not key.startswith(_OPEN_SECTIONS):
+        if key not in known and not key.startswith(schema.OPEN_SECTIONS):
             raise KeyError(f"Unknown config key {key!r} for recipe {recipe.name!r}; known keys: {', '.join(known)}")
     merged = OmegaConf.merge(base, update)
     problem = schema.check(_flatten(OmegaConf.to_container(merged)), known)

@@ -21,8 +21,8 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "model.weight_decay": _NON_NEGATIVE,
     "model.momentum": (lambda v: 0 <= v <= 1, "in [0, 1]"),
 }
-#: keys left unchecked: passed on to Lightning, or free-form (null defaults)
-_OPEN_SECTIONS = ("trainer.",)
+#: sections whose keys go to Lightning as they are: any key allowed, values left for Lightning to check
+OPEN_SECTIONS = ("trainer.",)
 
 
 def _type_name(default: Any) -> str:
@@ -45,7 +45,7 @@ def _matches(value: Any, default: Any) -> bool:
     if isinstance(default, float):
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if isinstance(default, list):
-        return isinstance(value, list) and all(_matches(v, default[0]) for v in value) if default else True
+        return isinstance(value, list) and (not default or all(_matches(v, default[0]) for v in value))
     return isinstance(value, str)
 
 
@@ -53,7 +53,7 @@ def check(values: dict[str, Any], defaults: dict[str, Any]) -> Optional[str]:
     """The first problem in the flat `values` (dotted keys) against the flat YAML `defaults`, or None."""
     for key, value in values.items():
         default = defaults.get(key)
-        if key.startswith(_OPEN_SECTIONS) or default is None:
+        if key.startswith(OPEN_SECTIONS) or default is None:  # Lightning's, or free-form (null default)
             continue
         if not _matches(value, default):
             return f"Config key {key}={value!r}: expected {_type_name(default)} (default {default!r})."

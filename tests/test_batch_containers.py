@@ -31,7 +31,8 @@ class Extra:
 def collate(rows: list[int]) -> tuple:
     n = len(rows)
     x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4)
-    return (Sample(x, x.sum(dim=1, keepdim=True)), Features(mask=torch.ones(n, 1)), Extra(torch.full((n, 1), 0.5), "kept"))
+    extra = Extra(torch.full((n, 1), 0.5), "kept")
+    return Sample(x, x.sum(dim=1, keepdim=True)), Features(mask=torch.ones(n, 1)), extra
 
 
 def structure(batch: tuple) -> tuple:

@@ -63,8 +63,8 @@ def _assert_same_run(result: dict, reference: dict, backend: str) -> None:
 
 
 def _cpu_only(checkpoint: Path) -> bool:
-    state = torch.load(checkpoint, weights_only=True, map_location=None)
-    tensors = [v for v in state["state_dict"].values()]
+    state = torch.load(checkpoint, weights_only=True)
+    tensors = list(state["state_dict"].values())
     tensors += [v for s in state["optimizer_states"][0]["state"].values() for v in s.values() if torch.is_tensor(v)]
     return all(t.device.type == "cpu" for t in tensors)
 

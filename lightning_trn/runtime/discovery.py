@@ -85,42 +85,38 @@ def physical_core_count() -> int:
     return sum(_device_core_counts())
 
 
-def logical_core_config(env: Optional[dict[str, str]] = None) -> int:
+def logical_core_config(env: Optional[dict[str, str]] = None, counts: Optional[list[int]] = None) -> int:
     """Physical NeuronCores per logical core on Trainium2/3 devices: `NEURON_LOGICAL_NC_CONFIG`, else the runtime's
-    default of 2 there. Trainium1 and Inferentia2 have no logical grouping (1)."""
+    default of 2 there. Trainium1 and Inferentia2 have no logical grouping (1). `counts`: `_device_core_counts()`."""
     env = os.environ if env is None else env
     value = env.get(LNC_ENV, "").strip()
     if not value:
-        return DEFAULT_LNC if any(c >= LNC_DEVICE_CORES for c in _device_core_counts()) else 1
+        counts = _device_core_counts() if counts is None else counts
+        return DEFAULT_LNC if any(c >= LNC_DEVICE_CORES for c in counts) else 1
     if value not in ("1", "2"):
         raise ValueError(f"Invalid {LNC_ENV}={value!r}: the Neuron runtime accepts 1 or 2 (physical cores per "
                          "logical NeuronCore).")
     return int(value)
 
 
-def logical_core_count(env: Optional[dict[str, str]] = None) -> int:
-    """NeuronCores as the runtime and frameworks count them: a Trainium2/3 device (8 physical cores in sysfs) shows
-    8 / `logical_core_config()`; devices with fewer cores (Trainium1, Inferentia2) count as they are."""
-    lnc = logical_core_config(env)
-    return sum(c // lnc if c >= LNC_DEVICE_CORES else c for c in _device_core_counts())
-
-
 def visible_core_count(env: Optional[dict[str, str]] = None) -> tuple[int, str]:
     """Logical NeuronCores this job may use, honouring `NEURON_RT_VISIBLE_CORES` (logical core ids) then
-    `NEURON_RT_NUM_CORES`."""
+    `NEURON_RT_NUM_CORES`. A Trainium2/3 device (8 physical cores in sysfs) counts 8 / `logical_core_config()`;
+    devices with fewer cores (Trainium1, Inferentia2) count as they are."""
     env = os.environ if env is None else env
-    logical = logical_core_count(env)
+    counts = _device_core_counts()
+    lnc = logical_core_config(env, counts)
+    logical = sum(c // lnc if c >= LNC_DEVICE_CORES else c for c in counts)
     visible = env.get("NEURON_RT_VISIBLE_CORES", "").strip()
     if visible and logical:
         return len(parse_core_range(visible)), f"NEURON_RT_VISIBLE_CORES={visible}"
     num = env.get("NEURON_RT_NUM_CORES", "").strip()
     if num and num != "0" and logical:
         return min(int(num), logical), f"NEURON_RT_NUM_CORES={num}"
-    physical = physical_core_count()
+    physical = sum(counts)
     if logical == physical:
         return logical, f"{logical} NeuronCores found under {NEURON_SYSFS_ROOT}"
-    return logical, (f"{logical} logical NeuronCores ({physical} physical under {NEURON_SYSFS_ROOT}, "
-                     f"{LNC_ENV}={logical_core_config(env)})")
+    return logical, f"{logical} logical NeuronCores ({physical} physical under {NEURON_SYSFS_ROOT}, {LNC_ENV}={lnc})"
 
 
 def detect_platform(env: Optional[dict[str, str]] = None) -> Platform:

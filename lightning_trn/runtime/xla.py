@@ -103,17 +103,16 @@ class XlaRuntime(DeviceRuntime):
         parallel_loader = _import("torch_xla.distributed.parallel_loader")
         skeletons: deque = deque()  # filled by the loader's background thread, in batch order
 
-        class TensorsOnly:
-            def __iter__(self) -> Iterator[list[torch.Tensor]]:
-                for batch in dataloader:
-                    tensors, skeleton = _split_tensors(batch)
-                    skeletons.append(skeleton)
-                    yield tensors
+        def tensors_only() -> Iterator[list[torch.Tensor]]:
+            for batch in dataloader:
+                tensors, skeleton = _split_tensors(batch)
+                skeletons.append(skeleton)
+                yield tensors
 
         # MpDeviceLoader would also sync at every batch; after the strategy's own cut that sync has nothing to run,
         # yet in a training loop it takes about the step graph's execution time, while the host could be tracing
         # the next step (benchmarks/README.md)
-        moved = parallel_loader.MpDeviceLoader(TensorsOnly(), device, batches_per_execution=sys.maxsize)
+        moved = parallel_loader.MpDeviceLoader(tensors_only(), device, batches_per_execution=sys.maxsize)
         return (_join_tensors(skeletons.popleft(), tensors) for tensors in moved)
 
     def memory_stats(self, device: torch.device) -> dict[str, Any]:

@@ -17,10 +17,8 @@ BACKEND_NAME = "neuron"
 
 def neuron_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
     """Refuse symbolic shapes as TorchNeuron does, then run the graph op by op."""
-    symbolic = [x for x in example_inputs if isinstance(x, torch.SymInt)] + [
-        size for x in example_inputs if isinstance(x, torch.Tensor) for size in x.shape if isinstance(size, torch.SymInt)
-    ]
-    if symbolic:
+    sizes = [size for x in example_inputs if isinstance(x, torch.Tensor) for size in x.shape]
+    if any(isinstance(value, torch.SymInt) for value in [*example_inputs, *sizes]):
         raise StandinError(
             "torch.compile(backend='neuron') does not support dynamic shapes (TorchNeuron rejects `dynamic=True`): "
             "compile with `dynamic=False`, so that each new input shape compiles its own graph, or pad inputs to "

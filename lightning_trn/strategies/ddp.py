@@ -40,7 +40,8 @@ class NeuronDDPStrategy(NeuronStrategyMixin, ParallelStrategy):
 
     Args:
         process_group_backend: `torch.distributed` backend of the default group; by default `xla` on Neuron with
-            torch_xla, `gloo` on XLA:CPU, `neuron` on the native backend. `xla` is refused on XLA:CPU, whose runtime collectives do not span processes.
+            torch_xla, `gloo` on XLA:CPU, `neuron` on the native backend. `xla` is refused on XLA:CPU, whose runtime
+            collectives do not span processes.
         timeout: timeout of the process groups: a rank waiting on a dead peer fails after at most this long.
     """
 
@@ -74,7 +75,8 @@ class NeuronDDPStrategy(NeuronStrategyMixin, ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        """This process's NeuronCore: `xla:0` on XLA (each process sees only its own), `neuron:<local rank>` natively."""
+        """This process's NeuronCore: `xla:0` on XLA (each process sees only its own), natively `neuron:<local rank>`.
+        """
         return self.runtime.device()
 
     @property
