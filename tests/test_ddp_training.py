@@ -78,6 +78,7 @@ def _assert_trained_like_reference(
         assert [(out / f"device_rank{r}.txt").read_text() for r in (0, 1)] == [
             f"neuron:{r % devices_per_node}" for r in (0, 1)
         ]
+    assert [(out / f"tied_rank{r}.txt").read_text() for r in (0, 1)] == ["True", "True"]
     weights = _weights(out)
     assert weights.keys() == reference.keys()
     assert all(w.device.type == "cpu" for w in weights.values())

@@ -90,7 +90,8 @@ class NeuronStrategyMixin:
             )
 
     def model_to_device(self) -> None:
-        """Move the model to the device, keeping tied weights tied (moving to XLA would untie them)."""
+        """Move the model to the device, keeping tied weights tied (moving between the host and the device creates new
+        Parameters, one per module that holds a shared one)."""
         model = self.model  # type: ignore[attr-defined]
         shared = find_shared_parameters(model)
         model.to(self.root_device)  # type: ignore[attr-defined]
@@ -197,11 +198,17 @@ class NeuronStrategyMixin:
         )
 
     def teardown(self) -> None:
-        """Hand the deferred progress-bar metrics back as numbers (one host read), then Lightning's teardown."""
+        """Hand the deferred progress-bar metrics back as numbers (one host read), then Lightning's teardown, which
+        moves the model to the CPU: re-tie the weights that moving off the device untied."""
         module = self._lightning_module  # type: ignore[attr-defined]
-        if self.defer_progress_bar_metrics and module is not None and module._trainer is not None:
+        if module is None:
+            super().teardown()  # type: ignore[misc]
+            return
+        if self.defer_progress_bar_metrics and module._trainer is not None:
             settle_progress_bar_metrics(module._trainer)
+        shared = find_shared_parameters(module)
         super().teardown()  # type: ignore[misc]
+        set_shared_parameters(module, shared)
 
     def _seed_device(self) -> None:
         """Make `seed_everything(s)` reach the device RNG (dropout, stochastic rounding): every rank gets the same

@@ -4,7 +4,8 @@ Launched by torchrun or as plain `python ddp_train.py` (the strategy then starts
 initialises the model from a different seed, so only the strategy's broadcast at setup makes the weights equal.
 Writes to --out: `final.ckpt` (through a checkpoint IO that records which rank saved) and, from rank 0, `run.json`
 (the last step's loss, logged with `sync_dist=True`, the torchmetrics sample count, the device scalar reads and
-device-to-host copies between steps, the backend), from every rank `device_rank<r>.txt` (its parameters' device),
+device-to-host copies between steps, the backend), from every rank `device_rank<r>.txt` (its parameters' device)
+and `tied_rank<r>.txt` (whether the tied weight is still one Parameter after `fit`),
 and `collectives.json` with the results of `strategy.reduce` / `all_gather` / `broadcast`.
 """
 
@@ -46,6 +47,9 @@ class Regression(pl.LightningModule):
     def __init__(self, die_rank: int, die_step: int) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        # unused, sharing the first layer's weight as an output head shares an embedding: the tie must survive fit
+        self.tied = torch.nn.Linear(FEATURES, 16, bias=False)
+        self.tied.weight = self.net[0].weight
         # synced over the ranks when computed: all samples of the epoch ("disable": no NaN check, i.e. host read)
         self.samples = torchmetrics.SumMetric(nan_strategy="disable")
         self.die_rank, self.die_step = die_rank, die_step
@@ -145,6 +149,7 @@ def main() -> None:
     )
     trainer.fit(model, loader)
     trainer.save_checkpoint(args.out / "final.ckpt")
+    (args.out / f"tied_rank{trainer.global_rank}.txt").write_text(str(model.tied.weight is model.net[0].weight))
     if trainer.is_global_zero:
         run = {
             "last_loss": trainer.callback_metrics["train_loss"].item(),
