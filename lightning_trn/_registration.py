@@ -1,9 +1,10 @@
-"""Make `Trainer(accelerator="neuron")` work: registry entries plus two version-guarded connector hooks.
+"""Make `Trainer(accelerator="neuron")` work: registry entries plus version-guarded connector hooks.
 
 Lightning discovers no outside accelerators and, for a registered "neuron" string, `_AcceleratorConnector`
-would pick `SingleDeviceStrategy("cpu")` (or "ddp") and a non-XLA precision plugin. We wrap exactly the two methods
-that decide this, `_choose_strategy` and `_check_and_init_precision`, and only for the Lightning versions we test;
-everything that is not a Neuron run goes to the original methods untouched.
+would pick `SingleDeviceStrategy("cpu")` (or "ddp") and a non-XLA precision plugin. We wrap exactly the methods
+that decide this, only for the Lightning versions we test: `_choose_auto_accelerator` ("auto" means neuron on real
+NeuronCores), `_choose_strategy`, `_check_strategy_and_fallback` (Lightning's strategy names on a Neuron run) and
+`_check_and_init_precision`. Everything that is not a Neuron run goes to the original methods untouched.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import lightning
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from packaging.version import Version
 
@@ -26,16 +27,58 @@ from lightning_trn._logging_hooks import (
 from lightning_trn._loop_shortcuts import install_fx_name_shortcut, install_signature_cache
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.plugins.precision import NeuronPrecision
+from lightning_trn.runtime import neuron_hardware_present
 from lightning_trn.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
 
 #: Lightning versions whose `_AcceleratorConnector` internals the hooks were written and tested against.
 TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
-_HOOKED = ("_choose_strategy", "_check_and_init_precision")
+_HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_fallback", "_check_and_init_precision")
+_NAME = "neuron"
 _DDP_STRATEGY_NAME = "neuron_ddp"
+#: Lightning strategy names that mean what `neuron_ddp` does: one process per device, started with the script
+_DDP_ALIASES = ("ddp", "ddp_find_unused_parameters_false")
 
 
-def _is_neuron(accelerator_flag: Any) -> bool:
-    return accelerator_flag == "neuron" or isinstance(accelerator_flag, NeuronAccelerator)
+def _is_neuron(connector: _AcceleratorConnector) -> bool:
+    """Whether the connector sets up a Neuron run (its accelerator is already constructed when the hooks run).
+
+    Raises:
+        RuntimeError: "neuron" was registered by another package (AWS's neuronx-distributed) after lightning_trn.
+    """
+    if isinstance(connector.accelerator, NeuronAccelerator):
+        return True
+    if connector._accelerator_flag == _NAME:
+        raise RuntimeError(
+            f"`accelerator='neuron'` resolved to {_qualname(type(connector.accelerator))}, not lightning_trn's "
+            "NeuronAccelerator: another package (e.g. AWS's `neuronx_distributed.lightning`) registered the name "
+            "'neuron' after `import lightning_trn`. The two packages' accelerators, strategies and precision plugins "
+            "do not mix. Use one of them: import lightning_trn last (it takes the name back), or pass the "
+            "accelerator object itself, `Trainer(accelerator=lightning_trn.NeuronAccelerator())`."
+        )
+    return False
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _neuron_strategy_flag(flag: Any) -> Any:
+    """The strategy flag for a Neuron run: Lightning's DDP names become `neuron_ddp`; strategies that cannot run on
+    NeuronCores are refused before anything starts (they would fail inside `fit` with a CUDA/device-id message)."""
+    if isinstance(flag, NeuronStrategyMixin) or flag in (_DDP_STRATEGY_NAME, "neuron_single"):
+        return flag
+    if flag in _DDP_ALIASES:
+        return _DDP_STRATEGY_NAME
+    name = type(flag).__name__ if isinstance(flag, Strategy) else repr(flag)
+    raise ValueError(
+        f"`Trainer(accelerator='neuron', strategy={name})` is not supported. On NeuronCores lightning_trn trains "
+        "data-parallel with its own strategy, which `strategy='ddp'` or 'auto' selects (`NeuronDDPStrategy`): one "
+        "process per NeuronCore, started by the script itself (`python train.py`), torchrun or SLURM, gradients "
+        "all-reduced once per optimizer step. Spawned or forked processes ('ddp_spawn', 'ddp_fork', "
+        "'ddp_notebook') cannot share the device runtime, `find_unused_parameters=True` is not available, and "
+        "sharded training (FSDP, DeepSpeed) is not offered by lightning_trn: for models that do not fit one "
+        "NeuronCore use AWS's neuronx-distributed."
+    )
 
 
 def _choose_neuron_strategy(connector: _AcceleratorConnector) -> Any:
@@ -66,13 +109,23 @@ def _install_connector_hooks() -> bool:
         )
         return False
 
+    choose_auto_accelerator = _AcceleratorConnector._choose_auto_accelerator
     choose_strategy = _AcceleratorConnector._choose_strategy
+    check_strategy_and_fallback = _AcceleratorConnector._check_strategy_and_fallback
     check_and_init_precision = _AcceleratorConnector._check_and_init_precision
 
+    def _choose_auto_accelerator() -> str:
+        return _NAME if neuron_hardware_present() else choose_auto_accelerator()
+
     def _choose_strategy(self: _AcceleratorConnector) -> Any:
-        if _is_neuron(self._accelerator_flag):
+        if _is_neuron(self):
             return _choose_neuron_strategy(self)
         return choose_strategy(self)
+
+    def _check_strategy_and_fallback(self: _AcceleratorConnector) -> None:
+        if _is_neuron(self):
+            self._strategy_flag = _neuron_strategy_flag(self._strategy_flag)
+        check_strategy_and_fallback(self)
 
     def _check_and_init_precision(self: _AcceleratorConnector) -> Precision:
         if isinstance(self.strategy, NeuronStrategyMixin) and not isinstance(self._precision_plugin_flag, Precision):
@@ -80,16 +133,34 @@ def _install_connector_hooks() -> bool:
             return NeuronPrecision(self._precision_flag)
         return check_and_init_precision(self)
 
+    _AcceleratorConnector._choose_auto_accelerator = staticmethod(_choose_auto_accelerator)  # type: ignore
     _AcceleratorConnector._choose_strategy = _choose_strategy  # type: ignore[method-assign]
+    _AcceleratorConnector._check_strategy_and_fallback = _check_strategy_and_fallback  # type: ignore[method-assign]
     _AcceleratorConnector._check_and_init_precision = _check_and_init_precision  # type: ignore[method-assign]
     _AcceleratorConnector._lightning_trn_hooked = True  # type: ignore[attr-defined]
     return True
 
 
+def _register_accelerator() -> None:
+    """Register "neuron" as lightning_trn's accelerator, taking the name back (with a warning) from another package
+    that registered it first, so `accelerator="neuron"` never mixes two packages' classes."""
+    entry = dict.get(AcceleratorRegistry, _NAME)
+    if entry is not None and entry["accelerator"] is NeuronAccelerator:
+        return
+    if entry is not None:
+        warnings.warn(
+            f"`accelerator='neuron'` was registered by {_qualname(entry['accelerator'])} (AWS's neuronx-distributed?); "
+            "lightning_trn registers its own NeuronAccelerator under that name now. To use the other package's "
+            "accelerator, pass its object: `Trainer(accelerator=<its class>())`.",
+            stacklevel=3,
+        )
+        del AcceleratorRegistry[_NAME]
+    NeuronAccelerator.register_accelerators(AcceleratorRegistry)
+
+
 def register() -> None:
     """Register the accelerator and strategies with Lightning and hook the connector (idempotent)."""
-    if NeuronAccelerator.name() not in AcceleratorRegistry:
-        NeuronAccelerator.register_accelerators(AcceleratorRegistry)
+    _register_accelerator()
     if SingleDeviceNeuronStrategy.strategy_name not in StrategyRegistry:
         SingleDeviceNeuronStrategy.register_strategies(StrategyRegistry)
     if NeuronDDPStrategy.strategy_name not in StrategyRegistry:

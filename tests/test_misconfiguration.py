@@ -103,6 +103,16 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "4")
         Trainer(accelerator="neuron", logger=False)
 
+    def accelerator_name_taken():
+        from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
+
+        entry = dict.get(AcceleratorRegistry, "neuron")
+        AcceleratorRegistry.register("neuron", CPUAccelerator, override=True)
+        try:
+            Trainer(accelerator="neuron", logger=False)
+        finally:
+            AcceleratorRegistry["neuron"] = entry
+
     actions: dict[str, Callable[[], object]] = {
         "unknown-precision": lambda: Trainer(accelerator="neuron", precision="16-mixed", logger=False),
         "too-many-devices": too_many_devices,
@@ -123,6 +133,8 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         "backend-unknown": backend_from_env("tpu"),
         "compile-dynamic": lambda: lightning_trn.compile(torch.nn.Linear(2, 2), dynamic=True),
         "logical-core-config": logical_core_config,
+        "unsupported-strategy": lambda: Trainer(accelerator="neuron", strategy="fsdp", devices=2, logger=False),
+        "accelerator-name-taken": accelerator_name_taken,
     }
     return lambda row: message_of(actions[row])
 
@@ -135,4 +147,4 @@ def test_documented_message(row, fragments, trigger):
 
 
 def test_table_has_every_row():
-    assert len(documented_rows()) == 19
+    assert len(documented_rows()) == 21

@@ -13,7 +13,13 @@ from typing import Optional
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
-from lightning_trn.runtime.discovery import NeuronUnavailableError, Platform, detect_platform, torch_xla_installed
+from lightning_trn.runtime.discovery import (
+    NEURON,
+    NeuronUnavailableError,
+    Platform,
+    detect_platform,
+    torch_xla_installed,
+)
 from lightning_trn.runtime.native import NativeRuntime
 from lightning_trn.runtime.selection import BACKEND_ENV, select_backend
 from lightning_trn.runtime.xla import XlaRuntime
@@ -38,6 +44,18 @@ def use_backend(name: Optional[str]) -> DeviceRuntime:
     return get_runtime()
 
 
+def neuron_hardware_present() -> bool:
+    """Whether this process would train on real NeuronCores (what `accelerator="auto"` asks): False on XLA:CPU, on the
+    stand-in and where no Neuron stack is usable. Logs nothing and starts no device, since every "auto" Trainer asks."""
+    try:
+        name, _ = select_backend(_requested_backend)
+        if name == "native":
+            return NativeRuntime().on_neuron()
+        return detect_platform().kind == NEURON
+    except (NeuronUnavailableError, ValueError):
+        return False
+
+
 __all__ = [
     "BACKEND_ENV",
     "DeviceRuntime",
@@ -48,6 +66,7 @@ __all__ = [
     "XlaRuntime",
     "detect_platform",
     "get_runtime",
+    "neuron_hardware_present",
     "select_backend",
     "torch_xla_installed",
     "use_backend",

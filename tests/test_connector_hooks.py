@@ -1,0 +1,103 @@
+"""What `Trainer(accelerator=..., strategy=...)` resolves to with lightning_trn imported: Lightning's strategy names
+on a Neuron run (item 3 of issue 17), another package registering "neuron" (item 10) and `accelerator="auto"` on a
+Neuron host (item 11). Run by both suites."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lightning_trn import NeuronAccelerator, NeuronDDPStrategy, NeuronPrecision, SingleDeviceNeuronStrategy
+from lightning_trn import _registration
+from lightning_trn.runtime import native
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_find_unused_parameters_false"])
+def test_lightning_ddp_names_mean_the_neuron_ddp_strategy(strategy):
+    trainer = Trainer(accelerator="neuron", strategy=strategy, devices=2, **QUIET)
+    assert type(trainer.strategy) is NeuronDDPStrategy
+    assert isinstance(trainer.precision_plugin, NeuronPrecision)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "fsdp", "deepspeed", "single_device"],
+)
+def test_strategies_that_cannot_run_on_neuron_are_refused_at_construction(strategy):
+    with pytest.raises(ValueError, match=rf"strategy='{strategy}'\)` is not supported.*strategy='ddp'"):
+        Trainer(accelerator="neuron", strategy=strategy, devices=2, **QUIET)
+
+
+def test_a_strategy_object_that_cannot_run_on_neuron_is_refused():
+    with pytest.raises(ValueError, match=r"strategy=DDPStrategy\)` is not supported"):
+        Trainer(accelerator="neuron", strategy=DDPStrategy(), devices=2, **QUIET)
+
+
+def test_cpu_runs_keep_lightnings_strategies():
+    trainer = Trainer(accelerator="cpu", strategy="ddp_spawn", devices=2, **QUIET)
+    assert type(trainer.strategy) is DDPStrategy
+
+
+class NxDStyleAccelerator(CPUAccelerator):
+    """Registers itself under "neuron" the way `neuronx_distributed.lightning.NeuronXLAAccelerator` does."""
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry) -> None:  # type: ignore[no-untyped-def]
+        accelerator_registry.register("neuron", cls, description=cls.__name__)
+
+
+@pytest.fixture
+def registry():
+    """The accelerator registry, its "neuron" entry restored after the test (`monkeypatch.setitem` would save the
+    registry's `get()`, which constructs an accelerator instead of returning the entry)."""
+    entry = dict.get(AcceleratorRegistry, "neuron")
+    yield AcceleratorRegistry
+    AcceleratorRegistry["neuron"] = entry
+
+
+def test_registered_first_by_another_package_the_name_is_taken_back_with_a_warning(registry):
+    del registry["neuron"]
+    NxDStyleAccelerator.register_accelerators(registry)
+    with pytest.warns(UserWarning, match="NxDStyleAccelerator.*lightning_trn registers its own"):
+        _registration.register()
+    trainer = Trainer(accelerator="neuron", **QUIET)
+    assert type(trainer.accelerator) is NeuronAccelerator
+    assert type(trainer.strategy) is SingleDeviceNeuronStrategy
+
+
+def test_registered_after_lightning_trn_by_another_package_is_an_error_naming_both(registry):
+    registry.register("neuron", NxDStyleAccelerator, override=True)
+    with pytest.raises(RuntimeError, match="NxDStyleAccelerator, not lightning_trn's NeuronAccelerator.*neuronx"):
+        Trainer(accelerator="neuron", **QUIET)
+    # the accelerator object itself still works
+    assert type(Trainer(accelerator=NeuronAccelerator(), **QUIET).strategy) is SingleDeviceNeuronStrategy
+
+
+@pytest.mark.xla_only
+def test_auto_picks_neuron_on_a_neuron_host(fake_neuron_host):
+    fake_neuron_host([2])
+    trainer = Trainer(accelerator="auto", devices=1, **QUIET)
+    assert type(trainer.accelerator) is NeuronAccelerator
+    assert type(trainer.strategy) is SingleDeviceNeuronStrategy
+
+
+@pytest.mark.native_only
+def test_auto_picks_neuron_where_torch_has_real_neuron_devices(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(native, "_standin", lambda: None)  # the stand-in's devices, reported as NeuronCores
+    trainer = Trainer(accelerator="auto", devices=1, **QUIET)
+    assert type(trainer.accelerator) is NeuronAccelerator
+
+
+def test_auto_stays_cpu_on_xla_cpu_and_the_standin():
+    trainer = Trainer(accelerator="auto", devices=1, **QUIET)
+    assert type(trainer.accelerator) is CPUAccelerator
+    assert type(trainer.strategy) is SingleDeviceStrategy
+
+
+@pytest.mark.xla_only
+def test_auto_stays_cpu_without_neuron_devices(no_neuron_host):
+    assert type(Trainer(accelerator="auto", devices=1, **QUIET).accelerator) is CPUAccelerator
