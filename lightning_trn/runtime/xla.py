@@ -94,7 +94,9 @@ class XlaRuntime(DeviceRuntime):
         return torch_xla.device()
 
     def sync(self, wait: bool = False) -> None:
-        _import("torch_xla").sync(wait=wait)
+        """Cut and launch the graph. `reset_scope=False`: a profiler trace (`XLAProfiler`'s `xp.Trace`/`StepTrace`)
+        may be open around the step being cut; its scope is IR metadata only, and the trace resets it at its exit."""
+        _import("torch_xla").sync(wait=wait, reset_scope=False)
 
     def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
         """`MpDeviceLoader` on the batches' tensors only: it would turn tuples, namedtuples, dict subclasses and
