@@ -32,10 +32,12 @@ class NeuronAccelerator(Accelerator):
 
     @override
     def setup_device(self, device: torch.device) -> None:
-        expected = get_runtime().device_type
-        if device.type != expected:
-            raise ValueError(f"NeuronAccelerator on the {get_runtime().name} backend needs a {expected!r} device, got "
-                             f"{device}.")
+        """Check the device is this backend's and that backward passes can run on it."""
+        runtime = get_runtime()
+        if device.type != runtime.device_type:
+            raise ValueError(f"NeuronAccelerator on the {runtime.name} backend needs a {runtime.device_type!r} device, "
+                             f"got {device}.")
+        runtime.check_autograd(device)
 
     @override
     def teardown(self) -> None:

@@ -113,6 +113,15 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         finally:
             AcceleratorRegistry["neuron"] = entry
 
+    def autograd_started_first():
+        # the real case needs a fresh process (tests/test_autograd_start.py); here autograd's assert is replayed
+        def engine_without_device_workers(*args, **kwargs):
+            raise RuntimeError("0 <= device.index() && device.index() < device_ready_queues_.size() INTERNAL ASSERT")
+
+        monkeypatch.setattr(torch.Tensor, "backward", engine_without_device_workers)
+        runtime = lightning_trn.runtime.get_runtime()
+        runtime.check_autograd(runtime.device())
+
     actions: dict[str, Callable[[], object]] = {
         "unknown-precision": lambda: Trainer(accelerator="neuron", precision="16-mixed", logger=False),
         "too-many-devices": too_many_devices,
@@ -135,6 +144,7 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         "logical-core-config": logical_core_config,
         "unsupported-strategy": lambda: Trainer(accelerator="neuron", strategy="fsdp", devices=2, logger=False),
         "accelerator-name-taken": accelerator_name_taken,
+        "autograd-started-first": autograd_started_first,
     }
     return lambda row: message_of(actions[row])
 
@@ -147,4 +157,4 @@ def test_documented_message(row, fragments, trigger):
 
 
 def test_table_has_every_row():
-    assert len(documented_rows()) == 21
+    assert len(documented_rows()) == 22

@@ -106,6 +106,29 @@ class DeviceRuntime(ABC):
     def supports_cross_process_collectives(self) -> bool:
         """Whether the runtime's collectives really span processes (False on XLA:CPU, see PLATFORM.md)."""
 
+    def check_autograd(self, device: torch.device) -> None:
+        """Raise a clear error if autograd cannot run a backward pass on `device` (one tiny backward, no compile).
+
+        PyTorch's autograd engine starts its per-device worker threads once per process, at the first backward, for
+        the devices registered at that moment. A backward on the CPU before the Neuron device existed (torch_xla's
+        runtime starts at the first device use; the stand-in at `import lightning_trn`) leaves it without a worker
+        for them for the rest of the process, which PyTorch reports as an INTERNAL ASSERT in the first step.
+        """
+        leaf = torch.zeros((), device=device, requires_grad=True)
+        try:
+            leaf.backward()
+        except RuntimeError as err:
+            if "device_ready_queues_" not in str(err):
+                raise
+            raise RuntimeError(
+                f"PyTorch's autograd engine cannot run backward passes on {device}: a backward pass ran in this "
+                "process before the Neuron device was started, and autograd starts its device workers only once, "
+                "for the devices present then (a PyTorch limitation that cannot be undone in this process). Run the "
+                "earlier CPU backward (a notebook's sanity check, say) after the first Neuron `fit` or in a separate "
+                "process, or, for a single-process run, start the device before it: "
+                "`lightning_trn.runtime.get_runtime().device()` right after `import lightning_trn`."
+            ) from err
+
     def compile(self, module: torch.nn.Module, *, fullgraph: bool) -> torch.nn.Module:
         """`module` under this backend's `torch.compile` compiler (static shapes); unchanged where the backend
         compiles whole steps itself (XLA)."""

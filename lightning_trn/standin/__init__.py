@@ -91,7 +91,12 @@ def _release_finished_backward_tasks() -> None:
 
     for index in range(torch.neuron.device_count()):
         leaf = torch.zeros((), device=torch.device("neuron", index), requires_grad=True)
-        Variable._execution_engine.run_backward((leaf * 1,), (torch.ones_like(leaf),), False, False, (), True, True)
+        try:
+            Variable._execution_engine.run_backward((leaf * 1,), (torch.ones_like(leaf),), False, False, (), True, True)
+        except RuntimeError as err:  # autograd started before the stand-in: no device thread, nothing to release
+            if "device_ready_queues_" not in str(err):
+                raise
+            return
 
 
 def load() -> ModuleType:

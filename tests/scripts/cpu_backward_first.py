@@ -1,0 +1,29 @@
+"""Worker for tests/test_autograd_start.py: a CPU backward pass (a notebook's sanity check), then a Neuron fit.
+
+With `--start-device-first` the device is started right after `import lightning_trn`, before that backward.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+if "--start-device-first" in sys.argv:
+    import lightning_trn
+    from lightning_trn.runtime import get_runtime
+
+    get_runtime().device()
+
+weight = torch.ones(2, requires_grad=True)
+weight.sum().backward()
+
+import lightning_trn  # noqa: E402,F811  (without --start-device-first: imported after the CPU backward)
+from lightning.pytorch import Trainer  # noqa: E402
+
+from models import RegressionModel  # noqa: E402
+
+trainer = Trainer(accelerator="neuron", max_steps=2, logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False)
+trainer.fit(RegressionModel())
+print(f"trained {trainer.global_step} steps")
