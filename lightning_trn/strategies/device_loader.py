@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 #: `state_dict()` key: batches of the current epoch handed to the training loop (including skipped ones)
 BATCHES_YIELDED = "batches_yielded"
+_OWN_ATTRIBUTES = ("_loader", "_device", "_runtime", "_deliveries", "_position", "_yielded", "_skip")
 
 
 class DevicePrefetchLoader:
@@ -26,10 +27,13 @@ class DevicePrefetchLoader:
     go to the wrapped loader, so Lightning's loops keep working (epoch setting on samplers, length checks, and
     `seed_everything(workers=True)` setting `worker_init_fn`, which must reach the real DataLoader).
 
-    Resumable: `state_dict()` holds how many batches of the current epoch reached the loop (batches still in the
-    prefetch queue do not count), and after `load_state_dict()` the next iteration skips that many batches of the
-    wrapped loader on the host, before anything is sent to the device. Lightning saves and restores this state in
-    its checkpoints because the class has both methods (`_Stateful`); `NeuronCheckpointIO` files it under its own key.
+    Resumable: a mid-epoch resume skips the batches the epoch already trained on, on the host, before anything is
+    sent to the device. How many is the training loop's own count (`position`, given by the strategy for training
+    loaders): it is right for every checkpoint, one written by `OnExceptionCheckpoint` after a failed batch (which
+    the loader had already handed out) or by a CPU/GPU run (which holds no state of this loader). Without `position`
+    it is what `load_state_dict()` restored. `state_dict()` holds how many batches of the current epoch reached the
+    loop (batches still in the prefetch queue do not count); Lightning saves it because the class has both methods
+    (`_Stateful`), and `NeuronCheckpointIO` files it under its own key.
 
     Prefetching starts at the first `next()`, not at `iter()`: Lightning creates the epoch's iterator before it
     calls `set_epoch` on the sampler, and an eager background loader would read the sampler's previous epoch.
@@ -39,21 +43,27 @@ class DevicePrefetchLoader:
     """
 
     def __init__(
-        self, dataloader: Any, device: torch.device, runtime: DeviceRuntime, deliveries: Optional[deque] = None
+        self,
+        dataloader: Any,
+        device: torch.device,
+        runtime: DeviceRuntime,
+        deliveries: Optional[deque] = None,
+        position: Optional[Callable[[], int]] = None,
     ) -> None:
         self._loader = dataloader
         self._device = device
         self._runtime = runtime
         self._deliveries = deliveries
+        self._position = position
         self._yielded = 0
         self._skip = 0
 
     def __iter__(self) -> Iterator:
-        skip, self._skip = self._skip, 0
-        self._yielded = skip
-        return self._batches(skip)
+        return self._batches()
 
-    def _batches(self, skip: int) -> Iterator:
+    def _batches(self) -> Iterator:
+        skip = self._start_position()
+        self._yielded = skip
         source = itertools.islice(self._loader, skip, None) if skip else self._loader
         deliveries = self._deliveries
         for batch in self._runtime.prefetch(source, self._device):
@@ -76,16 +86,25 @@ class DevicePrefetchLoader:
         A position at or past the end of the epoch (a checkpoint saved on the last batch) resumes at the start of
         the next epoch, as Lightning's loop does.
         """
-        position = int(state_dict.get(BATCHES_YIELDED, 0))
+        self._skip = int(state_dict.get(BATCHES_YIELDED, 0))
+
+    def _start_position(self) -> int:
+        """Batches of this epoch to skip, decided at the first `next()` (the loop has restored its progress by then):
+        the loop's own count when the strategy gave one, else what `load_state_dict` restored."""
+        skip, self._skip = self._skip, 0
+        if self._position is not None:
+            skip = self._position()
         length = self._length()
-        self._skip = 0 if length is not None and position >= length else position
-        if self._skip and self._shuffles_without_epoch_seed():
+        if length is not None and skip >= length:
+            skip = 0
+        if skip and self._shuffles_without_epoch_seed():
             log.warning(
                 "lightning_trn: resuming mid-epoch by skipping %d batches, but the train loader shuffles with a "
                 "`RandomSampler`, whose order after a restart differs from the interrupted epoch's. For an exact "
                 "resume use a sampler with `set_epoch` (see docs/fault-tolerance.md).",
-                self._skip,
+                skip,
             )
+        return skip
 
     def _length(self) -> int | None:
         try:
@@ -105,6 +124,6 @@ class DevicePrefetchLoader:
             setattr(self._loader, name, value)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_loader", "_device", "_runtime", "_deliveries", "_yielded", "_skip"):
+        if name.startswith("__") or name in _OWN_ATTRIBUTES:
             raise AttributeError(name)
         return getattr(self._loader, name)

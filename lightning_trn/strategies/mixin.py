@@ -33,6 +33,20 @@ _BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device",
 _RECENT_DELIVERIES = 4
 
 
+def _resume_position(trainer: pl.Trainer) -> Callable[[], int]:
+    """How many training batches of the current epoch the fit loop counts as done when it resumes mid-epoch (0
+    otherwise, and for every evaluation loader); read at the loader's first `next()`, after the loop's restore."""
+    fit_loop = trainer.fit_loop
+    progress = fit_loop.epoch_loop.batch_progress
+
+    def position() -> int:
+        if trainer.training and fit_loop.restarting and not progress.is_last_batch:
+            return progress.current.processed
+        return 0
+
+    return position
+
+
 class NeuronStrategyMixin:
     """Mixed into a Lightning strategy: device placement, prefetching, one graph cut per optimizer step, portable
     checkpoints. Strategies override `reduce_gradients` to all-reduce between backward and the optimizer update."""
@@ -101,8 +115,14 @@ class NeuronStrategyMixin:
         """Batches are copied to the device in the background while the previous step runs."""
         if isinstance(dataloader, DevicePrefetchLoader):
             return dataloader
+        module = self._lightning_module  # type: ignore[attr-defined]
+        trainer = module._trainer if module is not None else None
         return DevicePrefetchLoader(
-            dataloader, self.root_device, self.runtime, self._deliveries  # type: ignore[attr-defined]
+            dataloader,
+            self.root_device,  # type: ignore[attr-defined]
+            self.runtime,
+            self._deliveries,
+            position=None if trainer is None else _resume_position(trainer),
         )
 
     def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
