@@ -63,3 +63,35 @@ def test_redraw_rate_is_configurable_and_validated(redraw_clock):
     assert NeuronRichProgressBar(refresh_rate=3).refresh_rate == 3  # below the cap: the user's rate
     with pytest.raises(ValueError, match="max_redraws_per_second"):
         NeuronRichProgressBar(max_redraws_per_second=0)
+
+
+def test_a_configured_stock_bar_keeps_every_option(tmp_path):
+    from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+
+    theme = RichProgressBarTheme(description="green_yellow", progress_bar="#6206E0")
+    bars = [
+        (TQDMProgressBar(refresh_rate=3, process_position=2, leave=True), NeuronTQDMProgressBar,
+         {"refresh_rate": 3, "process_position": 2, "_leave": True}),
+        (RichProgressBar(refresh_rate=5, leave=True, theme=theme, console_kwargs={"width": 77}), NeuronRichProgressBar,
+         {"refresh_rate": 5, "_leave": True, "theme": theme, "_console_kwargs": {"width": 77}}),
+    ]
+    for bar, replacement, options in bars:
+        trainer = Trainer(accelerator="neuron", max_steps=2, default_root_dir=tmp_path, logger=False,
+                          enable_checkpointing=False, callbacks=[bar])
+        trainer.fit(RegressionModel())
+        used = trainer.progress_bar_callback
+        assert type(used) is replacement
+        assert {name: getattr(used, name) for name in options} == options
+
+
+class OwnBar(TQDMProgressBar):
+    """A user's subclass: left alone."""
+
+
+def test_a_users_own_bar_is_kept_and_the_cost_said_once(tmp_path, caplog):
+    bar = OwnBar()
+    trainer = Trainer(accelerator="neuron", max_steps=2, default_root_dir=tmp_path, logger=False,
+                      enable_checkpointing=False, callbacks=[bar])
+    trainer.fit(RegressionModel())
+    assert trainer.progress_bar_callback is bar
+    assert caplog.text.count("keeping your progress bar OwnBar") == 1

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics
 
 _Metrics = dict[str, Union[int, str, float, dict[str, float]]]
+DEFAULT_MAX_REDRAWS_PER_SECOND = 10.0
 
 
 class HostSyncFreeMetricsMixin:
@@ -29,7 +30,9 @@ class HostSyncFreeMetricsMixin:
     _cached_step: int = -1
     _last_redraw: float = float("-inf")
 
-    def __init__(self, *args: Any, max_redraws_per_second: float = 10.0, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, max_redraws_per_second: float = DEFAULT_MAX_REDRAWS_PER_SECOND, **kwargs: Any
+    ) -> None:
         if max_redraws_per_second <= 0:
             raise ValueError(f"max_redraws_per_second must be > 0, got {max_redraws_per_second}.")
         self.max_redraws_per_second = max_redraws_per_second
@@ -98,9 +101,16 @@ class NeuronRichProgressBar(HostSyncFreeMetricsMixin, RichProgressBar):
 
 
 def host_sync_free_replacement(progress_bar: object) -> Optional[HostSyncFreeMetricsMixin]:
-    """Our bar for Lightning's stock bar of exactly that type (the Trainer's default), else None."""
-    if type(progress_bar) is TQDMProgressBar:
-        return NeuronTQDMProgressBar(refresh_rate=progress_bar.refresh_rate)
-    if type(progress_bar) is RichProgressBar:
-        return NeuronRichProgressBar(refresh_rate=progress_bar.refresh_rate)
-    return None
+    """Our bar for Lightning's stock bar of exactly that type (the Trainer's default, or one the user configured),
+    holding every option of `progress_bar` (`refresh_rate`, `leave`, `process_position`, `theme`, console settings):
+    its attributes are copied as they are. None for any other bar."""
+    replacement_class = _REPLACEMENTS.get(type(progress_bar))
+    if replacement_class is None:
+        return None
+    replacement = replacement_class.__new__(replacement_class)
+    replacement.__dict__.update(vars(progress_bar))
+    replacement.max_redraws_per_second = DEFAULT_MAX_REDRAWS_PER_SECOND
+    return replacement
+
+
+_REPLACEMENTS: dict[type, type] = {TQDMProgressBar: NeuronTQDMProgressBar, RichProgressBar: NeuronRichProgressBar}

@@ -12,6 +12,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
@@ -254,6 +255,12 @@ class NeuronStrategyMixin:
             trainer.callbacks[trainer.callbacks.index(bar)] = replacement
             replacement.setup(trainer, trainer.lightning_module, stage=trainer.state.fn)
             bar = replacement
+        elif bar is not None and not isinstance(bar, HostSyncFreeMetricsMixin):
+            rank_zero_info(
+                f"lightning_trn: keeping your progress bar {type(bar).__name__}: it reads its metrics from the device "
+                "at every refresh, a host sync that stalls the device each time (Lightning's own TQDMProgressBar and "
+                "RichProgressBar are swapped for host-sync-free ones that keep your options)."
+            )
         self.defer_progress_bar_metrics = bar is None or isinstance(bar, HostSyncFreeMetricsMixin)
 
     def setup_environment(self) -> None:
