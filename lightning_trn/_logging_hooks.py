@@ -1,10 +1,13 @@
-"""Three version-guarded hooks into Lightning's logging internals that cost XLA runs a sync or time every step.
+"""Three hooks into Lightning's logging internals that cost XLA runs a sync or time every step.
+
+Each function here takes Lightning's original and returns its replacement (None where this Lightning version lacks
+what it relies on); `lightning_trn._lightning_hooks` installs them for Neuron runs only and restores the originals.
 
 1. Stop Lightning from reading `prog_bar=True` metrics on the host after every batch in Neuron runs.
 `_LoggerConnector.on_batch_end` rebuilds the metric dictionaries each batch, and `_ResultCollection.metrics` turns
 every progress-bar value into a Python number (`.item()`): a device-to-host sync per step even with the progress bar
 off. While a Neuron strategy says `defer_progress_bar_metrics`, that conversion is skipped and the values stay tensors;
-a host-sync-free progress bar (or the user) converts them when it wants to. Version-guarded like `_registration`.
+a host-sync-free progress bar (or the user) converts them when it wants to.
 
 2. Skip `_ResultMetric.to(device)` when its tensors are already there. `_ResultCollection.log` calls it on every
 `self.log`, and it walks the whole result object (states, defaults, caches) through `apply_to_collection`: about
@@ -24,7 +27,7 @@ from __future__ import annotations
 import functools
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch import LightningModule
@@ -44,19 +47,22 @@ def settle_progress_bar_metrics(trainer: Any) -> None:
         connector._progress_bar_metrics = result.convert_tensors_to_scalars(connector.progress_bar_metrics)
 
 
-def install_deferred_metrics_hook() -> bool:
-    """Wrap the progress-bar conversion; returns False if this Lightning version lacks the expected internals."""
-    connector = logger_connector._LoggerConnector
-    if getattr(connector, "_lightning_trn_hooked", False):
-        return True
-    metrics_property = connector.__dict__.get("metrics")
-    if not isinstance(metrics_property, property) or not callable(getattr(result, "convert_tensors_to_scalars", None)):
-        return False
-
-    convert = result.convert_tensors_to_scalars
+def conversion_unless_deferred(convert: Any) -> Optional[Callable[[Any], Any]]:
+    """Hook 1, replacing `result.convert_tensors_to_scalars`: no conversion while `deferring_metrics` says so."""
+    if not callable(convert):
+        return None
 
     def convert_unless_deferred(value: Any) -> Any:
         return value if _DEFER_CONVERSION.get() else convert(value)
+
+    return convert_unless_deferred
+
+
+def deferring_metrics(metrics_property: Any) -> Optional[property]:
+    """Hook 1, replacing the `_LoggerConnector.metrics` property: defer the conversion while the strategy says
+    `defer_progress_bar_metrics`."""
+    if not isinstance(metrics_property, property):
+        return None
 
     def metrics(self: Any) -> Any:
         if not getattr(self.trainer.strategy, "defer_progress_bar_metrics", False):
@@ -67,24 +73,17 @@ def install_deferred_metrics_hook() -> bool:
         finally:
             _DEFER_CONVERSION.reset(token)
 
-    result.convert_tensors_to_scalars = convert_unless_deferred
-    connector.metrics = property(metrics, doc=metrics_property.__doc__)
-    connector._lightning_trn_hooked = True
-    return True
+    return property(metrics, doc=metrics_property.__doc__)
 
 
 #: device types of the Neuron backends (torch_xla's, and TorchNeuron's native device)
 _NEURON_DEVICE_TYPES = ("xla", "neuron")
 
 
-def install_result_move_shortcut() -> bool:
-    """Wrap `_ResultMetric.to`; returns False if this Lightning version lacks the expected method."""
-    result_metric = result._ResultMetric
-    if getattr(result_metric, "_lightning_trn_hooked", False):
-        return True
-    move = result_metric.__dict__.get("to")
+def result_move_shortcut(move: Any) -> Optional[Callable[..., Any]]:
+    """Hook 2, replacing `_ResultMetric.to`: skip a move to the Neuron device the result is already on."""
     if not callable(move):
-        return False
+        return None
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         device = args[0] if len(args) == 1 and not kwargs else None
@@ -97,9 +96,7 @@ def install_result_move_shortcut() -> bool:
         object.__setattr__(self, _MOVED_TO, None)  # moved elsewhere, or by other arguments
         return move(self, *args, **kwargs)
 
-    result_metric.to = to
-    result_metric._lightning_trn_hooked = True
-    return True
+    return to
 
 
 @dataclass(frozen=True)
@@ -150,18 +147,15 @@ def _update_stored(stored: _StoredLog, value: Any, results: Any, batch_size: Opt
     return True
 
 
-def install_log_fast_path() -> bool:
-    """Wrap `LightningModule.log`; returns False if this Lightning version lacks the expected internals."""
-    log = LightningModule.__dict__.get("log")
-    if getattr(log, "_lightning_trn_hooked", False):
-        return True
+def log_fast_path(log: Any) -> Optional[Callable[..., None]]:
+    """Hook 3, replacing `LightningModule.log`; None if this Lightning version lacks the internals it relies on."""
     required = (
         (logger_connector._LoggerConnector, "should_reset_tensors"),
         (result._ResultCollection, "_extract_batch_size"),
         (result._ResultMetric, "forward"),
     )
     if not callable(log) or not all(hasattr(owner, name) for owner, name in required):
-        return False
+        return None
 
     @functools.wraps(log)
     def fast_log(self: Any, name: str, value: Any, *args: Any, **options: Any) -> None:
@@ -189,6 +183,4 @@ def install_log_fast_path() -> bool:
                 cache[call] = _StoredLog(key, results[key])
         return None
 
-    fast_log._lightning_trn_hooked = True  # type: ignore[attr-defined]
-    LightningModule.log = fast_log  # type: ignore[method-assign]
-    return True
+    return fast_log

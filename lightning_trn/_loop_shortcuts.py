@@ -1,7 +1,9 @@
 """Shortcuts through Lightning's per-step loop machinery, each giving the same result as the code it bypasses.
 
 On XLA the host traces every step, so a small model's step is host-bound and Lightning's fixed bookkeeping per step
-shows in its speed (benchmarks/README.md). Two are installed for every run, because they are exact:
+shows in its speed (benchmarks/README.md). Each gives the same result as Lightning's code, and each is installed
+for Neuron runs only: 1 and 2 by `lightning_trn._lightning_hooks` (which restores Lightning's originals after the
+run), 3 and 4 on the run's own trainer:
 
 1. `LightningModule._current_fx_name = name` skips `nn.Module.__setattr__`. Lightning sets it twice around every hook
    call (about 40 times per training step), and `Module.__setattr__` checks each value against `Parameter`, `Module`
@@ -9,7 +11,7 @@ shows in its speed (benchmarks/README.md). Two are installed for every run, beca
 2. `is_param_in_hook_signature` remembers its answer per function. The training, evaluation and prediction loops ask
    it about the step method on every batch, and each answer runs `inspect.getfullargspec` (~11 us).
 
-Two more are installed per Neuron run by `install_run_shortcuts` (`NeuronStrategyMixin.setup`):
+3 and 4 are set on the trainer by `install_run_shortcuts` (`NeuronStrategyMixin.setup`):
 
 3. With Lightning's default profiler (`PassThroughProfiler`, which records nothing), `profile()` returns one shared
    `nullcontext` instead of building a generator-based context manager around every hook call.
@@ -33,18 +35,17 @@ from lightning.pytorch.loops.optimization.automatic import ClosureResult, _Autom
 from lightning.pytorch.profilers import PassThroughProfiler
 
 #: modules whose per-batch code calls `is_param_in_hook_signature` through their own imported name
-_SIGNATURE_CALLERS = (training_epoch_loop, evaluation_loop, prediction_loop)
+SIGNATURE_CALLERS = (training_epoch_loop, evaluation_loop, prediction_loop)
 _FX_NAME = "_current_fx_name"
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
-def install_fx_name_shortcut() -> bool:
-    """Give `LightningModule` a `__setattr__` that stores `_current_fx_name` directly; False if it has its own."""
+def fx_name_setattr(original: Any) -> Optional[Callable[[pl.LightningModule, str, Any], None]]:
+    """Shortcut 1: a `LightningModule.__setattr__` that stores `_current_fx_name` directly; None if Lightning
+    defines its own `__setattr__` (`original` is None when it inherits `nn.Module`'s)."""
+    if original is not None:
+        return None
     module_cls = pl.LightningModule
-    if getattr(module_cls, "_lightning_trn_fx_name_shortcut", False):
-        return True
-    if "__setattr__" in module_cls.__dict__:
-        return False
 
     def __setattr__(self: pl.LightningModule, name: str, value: Any) -> None:
         # a str or None is never a Parameter, Module or Buffer: Module.__setattr__ would end in object.__setattr__
@@ -53,13 +54,14 @@ def install_fx_name_shortcut() -> bool:
         else:
             super(module_cls, self).__setattr__(name, value)
 
-    module_cls.__setattr__ = __setattr__  # type: ignore[method-assign, assignment]
-    module_cls._lightning_trn_fx_name_shortcut = True  # type: ignore[attr-defined]
-    return True
+    return __setattr__
 
 
-def _cached_signature_check(check: Callable[..., bool]) -> Callable[..., bool]:
-    """`check` with its answers kept per function (a method's answer is kept on its underlying function)."""
+def cached_signature_check(check: Any) -> Optional[Callable[..., bool]]:
+    """Shortcut 2: `is_param_in_hook_signature` with its answers kept per function (a method's answer is kept on its
+    underlying function)."""
+    if not callable(check):
+        return None
     answers: weakref.WeakKeyDictionary[Callable, dict[tuple, bool]] = weakref.WeakKeyDictionary()
 
     def is_param_in_hook_signature(
@@ -75,18 +77,7 @@ def _cached_signature_check(check: Callable[..., bool]) -> Callable[..., bool]:
             per_function[key] = check(hook_fx, param, explicit, min_args)
         return per_function[key]
 
-    is_param_in_hook_signature._lightning_trn_original = check  # type: ignore[attr-defined]
     return is_param_in_hook_signature
-
-
-def install_signature_cache() -> bool:
-    """Replace the loops' `is_param_in_hook_signature` with a caching one; False if a loop module lacks it."""
-    if not all(callable(getattr(module, "is_param_in_hook_signature", None)) for module in _SIGNATURE_CALLERS):
-        return False
-    for module in _SIGNATURE_CALLERS:
-        if not hasattr(module.is_param_in_hook_signature, "_lightning_trn_original"):
-            module.is_param_in_hook_signature = _cached_signature_check(module.is_param_in_hook_signature)
-    return True
 
 
 class _NullContextProfiler(PassThroughProfiler):

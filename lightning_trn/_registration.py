@@ -17,21 +17,13 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-from packaging.version import Version
 
-from lightning_trn._logging_hooks import (
-    install_deferred_metrics_hook,
-    install_log_fast_path,
-    install_result_move_shortcut,
-)
-from lightning_trn._loop_shortcuts import install_fx_name_shortcut, install_signature_cache
+from lightning_trn._lightning_hooks import TESTED_LIGHTNING, lightning_version_tested
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.plugins.precision import NeuronPrecision
 from lightning_trn.runtime import neuron_hardware_present
 from lightning_trn.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
 
-#: Lightning versions whose `_AcceleratorConnector` internals the hooks were written and tested against.
-TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
 _HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_fallback", "_check_and_init_precision")
 _NAME = "neuron"
 _DDP_STRATEGY_NAME = "neuron_ddp"
@@ -96,12 +88,10 @@ def _install_connector_hooks() -> bool:
     """Wrap the connector's strategy and precision choice; returns False (and warns) if the version is untested."""
     if getattr(_AcceleratorConnector, "_lightning_trn_hooked", False):
         return True
-    version = Version(lightning.__version__)
-    if not (TESTED_LIGHTNING[0] <= version < TESTED_LIGHTNING[1]) or not all(
-        hasattr(_AcceleratorConnector, name) for name in _HOOKED
-    ):
+    if not lightning_version_tested() or not all(hasattr(_AcceleratorConnector, name) for name in _HOOKED):
         warnings.warn(
-            f"lightning_trn was tested with lightning>={TESTED_LIGHTNING[0]},<{TESTED_LIGHTNING[1]}, found {version}: "
+            f"lightning_trn was tested with lightning>={TESTED_LIGHTNING[0]},<{TESTED_LIGHTNING[1]}, found "
+            f"{lightning.__version__}: "
             "`Trainer(accelerator='neuron')` will not pick the Neuron strategy by itself. Pass it explicitly: "
             "`Trainer(accelerator='neuron', strategy='neuron_single')` (or 'neuron_ddp'), "
             "`plugins=[lightning_trn.NeuronPrecision(...)]`.",
@@ -165,9 +155,4 @@ def register() -> None:
         SingleDeviceNeuronStrategy.register_strategies(StrategyRegistry)
     if NeuronDDPStrategy.strategy_name not in StrategyRegistry:
         NeuronDDPStrategy.register_strategies(StrategyRegistry)
-    if _install_connector_hooks():
-        install_deferred_metrics_hook()
-        install_result_move_shortcut()
-        install_log_fast_path()
-        install_fx_name_shortcut()
-        install_signature_cache()
+    _install_connector_hooks()

@@ -13,13 +13,21 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
-import lightning_trn  # noqa: F401  (installs the shortcuts)
-from lightning_trn._loop_shortcuts import _cached_signature_check, _NullContextProfiler, _UnscaledClosureResult
+from lightning_trn import _lightning_hooks
+from lightning_trn._loop_shortcuts import _NullContextProfiler, _UnscaledClosureResult, cached_signature_check
 from models import RegressionModel, regression_loader
 
 
 @pytest.fixture
-def module_setattr_calls(monkeypatch):
+def neuron_run_hooks():
+    """The hooks as a Neuron run has them."""
+    _lightning_hooks.acquire()
+    yield
+    _lightning_hooks.release()
+
+
+@pytest.fixture
+def module_setattr_calls(monkeypatch, neuron_run_hooks):
     """Names set through `nn.Module.__setattr__` (the slow path the `_current_fx_name` shortcut avoids)."""
     names: list[str] = []
     real = nn.Module.__setattr__
@@ -80,7 +88,7 @@ CASES = [
 @pytest.mark.parametrize("method", ["batch_only", "with_index", "with_iter", "variadic"])
 @pytest.mark.parametrize("param, explicit, min_args", CASES)
 def test_signature_cache_answers_like_lightning(method, param, explicit, min_args):
-    cached = _cached_signature_check(is_param_in_hook_signature)
+    cached = cached_signature_check(is_param_in_hook_signature)
     for hook in (getattr(Steps(), method), getattr(Steps, method)):  # bound and plain functions answer differently
         expected = is_param_in_hook_signature(hook, param, explicit=explicit, min_args=min_args)
         for _ in range(2):  # computed, then remembered
@@ -94,7 +102,7 @@ def test_signature_cache_asks_once_per_function_and_never_for_other_callables():
         asked.append(hook)
         return is_param_in_hook_signature(hook, param, explicit, min_args)
 
-    cached = _cached_signature_check(check)
+    cached = cached_signature_check(check)
     for instance in (Steps(), Steps(), Steps()):  # a new bound method every time, as `module.training_step` is
         assert cached(instance.with_index, "batch_idx", False, 2)
     assert len(asked) == 1
@@ -104,9 +112,9 @@ def test_signature_cache_asks_once_per_function_and_never_for_other_callables():
     assert len(asked) == 3
 
 
-def test_the_loops_use_the_cached_signature_check():
+def test_the_loops_use_the_cached_signature_check(neuron_run_hooks):
     for module in (training_epoch_loop, evaluation_loop, prediction_loop):
-        assert module.is_param_in_hook_signature._lightning_trn_original is is_param_in_hook_signature
+        assert module.is_param_in_hook_signature.__qualname__.startswith("cached_signature_check")
 
 
 class LossRecorder(Callback):

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
+from lightning_trn import _lightning_hooks
 from lightning_trn._logging_hooks import settle_progress_bar_metrics
 from lightning_trn._loop_shortcuts import install_run_shortcuts
 from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin, host_sync_free_replacement
@@ -68,6 +69,8 @@ class NeuronStrategyMixin:
         #: the last training batch ended with the optimizer step's graph cut, and nothing ran since (see
         #: `on_train_batch_start`)
         self._cut_after_step = False
+        #: this strategy's run holds the hooks into Lightning's internals (`lightning_trn._lightning_hooks`)
+        self._holds_lightning_hooks = False
 
     @property
     def runtime(self) -> DeviceRuntime:
@@ -205,6 +208,9 @@ class NeuronStrategyMixin:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if not self._holds_lightning_hooks:
+            _lightning_hooks.acquire()
+            self._holds_lightning_hooks = True
         self._seed_device()
         super().setup(trainer)  # type: ignore[misc]
         apply_precompile_limits(trainer)  # `python -m lightning_trn.precompile` shortens the run
@@ -220,16 +226,22 @@ class NeuronStrategyMixin:
 
     def teardown(self) -> None:
         """Hand the deferred progress-bar metrics back as numbers (one host read), then Lightning's teardown, which
-        moves the model to the CPU: re-tie the weights that moving off the device untied."""
-        module = self._lightning_module  # type: ignore[attr-defined]
-        if module is None:
+        moves the model to the CPU: re-tie the weights that moving off the device untied. Lightning's internals get
+        their originals back (`lightning_trn._lightning_hooks`)."""
+        try:
+            module = self._lightning_module  # type: ignore[attr-defined]
+            if module is None:
+                super().teardown()  # type: ignore[misc]
+                return
+            if self.defer_progress_bar_metrics and module._trainer is not None:
+                settle_progress_bar_metrics(module._trainer)
+            shared = find_shared_parameters(module)
             super().teardown()  # type: ignore[misc]
-            return
-        if self.defer_progress_bar_metrics and module._trainer is not None:
-            settle_progress_bar_metrics(module._trainer)
-        shared = find_shared_parameters(module)
-        super().teardown()  # type: ignore[misc]
-        set_shared_parameters(module, shared)
+            set_shared_parameters(module, shared)
+        finally:
+            if self._holds_lightning_hooks:
+                self._holds_lightning_hooks = False
+                _lightning_hooks.release()
 
     def _seed_device(self) -> None:
         """Make `seed_everything(s)` reach the device RNG (dropout, stochastic rounding): every rank gets the same

@@ -1,0 +1,88 @@
+"""Every Lightning internal that lightning_trn replaces, in one list, and when it is in place.
+
+At `import lightning_trn` (`lightning_trn._registration`): four `_AcceleratorConnector` methods that choose the
+accelerator, strategy and precision. They hand every run that is not a Neuron run to Lightning's originals.
+
+For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyMixin.setup` to its `teardown`, after
+which Lightning's originals are back, so a CPU or GPU run in the same process runs Lightning's own code. Each saves
+host time or a device sync per step on Neuron and gives Lightning's result (tests/test_logging_fast_path.py,
+tests/test_loop_shortcuts.py); each is skipped where the Lightning version is untested or lacks what it replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import lightning
+from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
+from packaging.version import Version
+
+from lightning_trn import _logging_hooks, _loop_shortcuts
+
+#: Lightning versions whose internals the hooks were written and tested against
+TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
+_ABSENT = object()
+
+
+def lightning_version_tested() -> bool:
+    """Whether the installed Lightning is one the hooks were tested against."""
+    return TESTED_LIGHTNING[0] <= Version(lightning.__version__) < TESTED_LIGHTNING[1]
+
+
+@dataclass(frozen=True)
+class Hook:
+    """`owner.name` (a class or module attribute) replaced by `make(original)` during Neuron runs; `make` gets None
+    when `owner` does not define the attribute itself, and returns None when the hook does not apply."""
+
+    owner: Any
+    name: str
+    make: Callable[[Any], Any]
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook(result, "convert_tensors_to_scalars", _logging_hooks.conversion_unless_deferred),
+    Hook(logger_connector._LoggerConnector, "metrics", _logging_hooks.deferring_metrics),
+    Hook(result._ResultMetric, "to", _logging_hooks.result_move_shortcut),
+    Hook(LightningModule, "log", _logging_hooks.log_fast_path),
+    Hook(LightningModule, "__setattr__", _loop_shortcuts.fx_name_setattr),
+    *(Hook(module, "is_param_in_hook_signature", _loop_shortcuts.cached_signature_check)
+      for module in _loop_shortcuts.SIGNATURE_CALLERS),
+)
+
+_installed: list[tuple[Hook, Any]] = []
+_runs = 0
+
+
+def acquire() -> None:
+    """A Neuron run starts: install the hooks (if it is the only one running in this process)."""
+    global _runs
+    _runs += 1
+    if _runs > 1 or not lightning_version_tested():
+        return
+    for hook in HOOKS:
+        original = hook.owner.__dict__.get(hook.name, _ABSENT)
+        replacement = hook.make(None if original is _ABSENT else original)
+        if replacement is not None:
+            setattr(hook.owner, hook.name, replacement)
+            _installed.append((hook, original))
+
+
+def release() -> None:
+    """A Neuron run ended: once none is left, put Lightning's originals back."""
+    global _runs
+    _runs -= 1
+    if _runs > 0:
+        return
+    while _installed:
+        hook, original = _installed.pop()
+        if original is _ABSENT:
+            delattr(hook.owner, hook.name)
+        else:
+            setattr(hook.owner, hook.name, original)
+
+
+def installed() -> list[tuple[str, Optional[Any]]]:
+    """(`owner.name`, Lightning's original) for each hook in place now."""
+    return [(f"{getattr(h.owner, '__name__', h.owner)}.{h.name}", None if o is _ABSENT else o) for h, o in _installed]

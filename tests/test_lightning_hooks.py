@@ -1,0 +1,62 @@
+"""The hooks into Lightning's internals (`lightning_trn._lightning_hooks`) are in place only while a Neuron run is
+(issue 17, item 9): `import lightning_trn` leaves Lightning's code as it is, a Neuron fit installs them, its teardown
+(also after an exception) puts Lightning's originals back, and a CPU run in the same process runs Lightning's own
+code. Run by both suites."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_trn import _lightning_hooks
+from models import RegressionModel, regression_loader
+
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def current() -> dict[str, object]:
+    """What each hooked attribute holds now (`None`: the owner does not define it)."""
+    return {f"{id(h.owner)}.{h.name}": h.owner.__dict__.get(h.name) for h in _lightning_hooks.HOOKS}
+
+
+#: Lightning's own attributes, taken at collection time, after `import lightning_trn` (the import above)
+LIGHTNING = current()
+
+
+class Seen(Callback):
+    """What the hooked attributes hold while the run trains."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.during = current()
+
+
+def fit(accelerator: str, model: RegressionModel | None = None) -> dict[str, object]:
+    seen = Seen()
+    Trainer(accelerator=accelerator, max_steps=2, callbacks=[seen], **QUIET).fit(
+        model or RegressionModel(), regression_loader(n=64)
+    )
+    return seen.during
+
+
+def test_import_leaves_lightning_as_it_is():
+    assert "__setattr__" not in LightningModule.__dict__  # nn.Module's, inherited
+    assert all(value is None or "lightning_trn" not in getattr(value, "__module__", "") for value in LIGHTNING.values())
+
+
+def test_a_neuron_run_hooks_lightning_for_its_duration_only():
+    during = fit("neuron")
+    assert all(during[name] is not LIGHTNING[name] for name in LIGHTNING), "every hook installed during the run"
+    assert current() == LIGHTNING
+    assert fit("cpu") == LIGHTNING  # a CPU run afterwards runs Lightning's own code
+    assert current() == LIGHTNING
+
+
+class Fails(RegressionModel):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("user error")
+
+
+def test_a_failed_neuron_run_restores_lightning_too():
+    with pytest.raises(RuntimeError, match="user error"):
+        fit("neuron", Fails())
+    assert current() == LIGHTNING
