@@ -43,6 +43,16 @@ def _fresh_platform_detection():
 
 
 @pytest.fixture
+def neuron_run_hooks():
+    """Lightning's internals hooked as during a Neuron run (`lightning_trn._lightning_hooks`), for unit tests."""
+    from lightning_trn import _lightning_hooks
+
+    _lightning_hooks.acquire()
+    yield
+    _lightning_hooks.release()
+
+
+@pytest.fixture
 def fake_neuron_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A host that looks like a Neuron instance at the discovery boundary: sysfs devices with `core_count` files.
 

@@ -69,7 +69,7 @@ def test_custom_progress_bar_keeps_lightning_behaviour(tmp_path):
     assert isinstance(trainer.progress_bar_metrics["train_loss"], float)
 
 
-def test_result_metric_move_is_skipped_only_when_already_on_that_device(monkeypatch):
+def test_result_metric_move_is_skipped_only_when_already_on_that_device(monkeypatch, neuron_run_hooks):
     from lightning.pytorch.trainer.connectors.logger_connector import result
 
     walks = []

@@ -13,17 +13,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
-from lightning_trn import _lightning_hooks
 from lightning_trn._loop_shortcuts import _NullContextProfiler, _UnscaledClosureResult, cached_signature_check
 from models import RegressionModel, regression_loader
-
-
-@pytest.fixture
-def neuron_run_hooks():
-    """The hooks as a Neuron run has them."""
-    _lightning_hooks.acquire()
-    yield
-    _lightning_hooks.release()
 
 
 @pytest.fixture
