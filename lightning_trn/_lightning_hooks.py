@@ -12,7 +12,7 @@ tests/test_loop_shortcuts.py); each is skipped where the Lightning version is un
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import lightning
 from lightning.pytorch import LightningModule
@@ -81,8 +81,3 @@ def release() -> None:
             delattr(hook.owner, hook.name)
         else:
             setattr(hook.owner, hook.name, original)
-
-
-def installed() -> list[tuple[str, Optional[Any]]]:
-    """(`owner.name`, Lightning's original) for each hook in place now."""
-    return [(f"{getattr(h.owner, '__name__', h.owner)}.{h.name}", None if o is _ABSENT else o) for h, o in _installed]

@@ -1,9 +1,9 @@
 """Shortcuts through Lightning's per-step loop machinery, each giving the same result as the code it bypasses.
 
 On XLA the host traces every step, so a small model's step is host-bound and Lightning's fixed bookkeeping per step
-shows in its speed (benchmarks/README.md). Each gives the same result as Lightning's code, and each is installed
-for Neuron runs only: 1 and 2 by `lightning_trn._lightning_hooks` (which restores Lightning's originals after the
-run), 3 and 4 on the run's own trainer:
+shows in its speed (benchmarks/README.md). Each is installed for Neuron runs only: 1 and 2 by
+`lightning_trn._lightning_hooks` (which restores Lightning's originals after the run), 3 and 4 on the run's own
+trainer:
 
 1. `LightningModule._current_fx_name = name` skips `nn.Module.__setattr__`. Lightning sets it twice around every hook
    call (about 40 times per training step), and `Module.__setattr__` checks each value against `Parameter`, `Module`

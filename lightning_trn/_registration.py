@@ -25,8 +25,8 @@ from lightning_trn.runtime import neuron_hardware_present
 from lightning_trn.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
 
 _HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_fallback", "_check_and_init_precision")
-_NAME = "neuron"
-_DDP_STRATEGY_NAME = "neuron_ddp"
+_NAME = NeuronAccelerator.name()
+_DDP_STRATEGY_NAME = NeuronDDPStrategy.strategy_name
 #: Lightning strategy names that mean what `neuron_ddp` does: one process per device, started with the script
 _DDP_ALIASES = ("ddp", "ddp_find_unused_parameters_false")
 
@@ -57,7 +57,7 @@ def _qualname(cls: type) -> str:
 def _neuron_strategy_flag(flag: Any) -> Any:
     """The strategy flag for a Neuron run: Lightning's DDP names become `neuron_ddp`; strategies that cannot run on
     NeuronCores are refused before anything starts (they would fail inside `fit` with a CUDA/device-id message)."""
-    if isinstance(flag, NeuronStrategyMixin) or flag in (_DDP_STRATEGY_NAME, "neuron_single"):
+    if isinstance(flag, NeuronStrategyMixin) or flag in (_DDP_STRATEGY_NAME, SingleDeviceNeuronStrategy.strategy_name):
         return flag
     if flag in _DDP_ALIASES:
         return _DDP_STRATEGY_NAME

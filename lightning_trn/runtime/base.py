@@ -46,6 +46,11 @@ class RuntimeMetrics:
         )
 
 
+def autograd_lacks_device_worker(err: RuntimeError) -> bool:
+    """Whether `err` is autograd's assert for a device it started no worker thread for (see `check_autograd`)."""
+    return "device_ready_queues_" in str(err)
+
+
 class DeviceRuntime(ABC):
     """One device backend. Methods are called on every rank; none may block unless its docstring says so."""
 
@@ -118,7 +123,7 @@ class DeviceRuntime(ABC):
         try:
             leaf.backward()
         except RuntimeError as err:
-            if "device_ready_queues_" not in str(err):
+            if not autograd_lacks_device_worker(err):
                 raise
             raise RuntimeError(
                 f"PyTorch's autograd engine cannot run backward passes on {device}: a backward pass ran in this "

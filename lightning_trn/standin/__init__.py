@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from lightning_trn.runtime.base import autograd_lacks_device_worker
 from lightning_trn.runtime.discovery import physical_core_count
 from lightning_trn.standin._build import StandinError
 
@@ -94,7 +95,7 @@ def _release_finished_backward_tasks() -> None:
         try:
             Variable._execution_engine.run_backward((leaf * 1,), (torch.ones_like(leaf),), False, False, (), True, True)
         except RuntimeError as err:  # autograd started before the stand-in: no device thread, nothing to release
-            if "device_ready_queues_" not in str(err):
+            if not autograd_lacks_device_worker(err):
                 raise
             return
 
