@@ -16,10 +16,12 @@ from typing import Any, Callable
 
 import lightning
 from lightning.pytorch import LightningModule
+from lightning.pytorch.loops import _EvaluationLoop, _FitLoop, _PredictionLoop
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from packaging.version import Version
 
 from lightning_trn import _logging_hooks, _loop_shortcuts
+from lightning_trn.strategies import device_loader
 
 #: Lightning versions whose internals the hooks were written and tested against
 TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
@@ -49,6 +51,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook(LightningModule, "__setattr__", _loop_shortcuts.fx_name_setattr),
     *(Hook(module, "is_param_in_hook_signature", _loop_shortcuts.cached_signature_check)
       for module in _loop_shortcuts.SIGNATURE_CALLERS),
+    *(Hook(loop, "setup_data", device_loader.setup_data_showing_user_loaders)
+      for loop in (_FitLoop, _EvaluationLoop, _PredictionLoop)),
 )
 
 _installed: list[tuple[Hook, Any]] = []

@@ -9,6 +9,8 @@ process group on the device tensors natively).
 
 from __future__ import annotations
 
+import atexit
+import functools
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -33,6 +35,22 @@ from lightning_trn.runtime.collectives import Collectives, check_world_size
 from lightning_trn.runtime.environment import EnvironmentPatch
 from lightning_trn.strategies.host_signals import install_host_sigterm_sync
 from lightning_trn.strategies.mixin import NeuronStrategyMixin
+
+
+@functools.cache  # registered once per process
+def destroy_process_groups_at_exit() -> None:
+    """Destroy every process group while the interpreter is still whole, once, at exit.
+
+    A gloo group left to the interpreter's teardown aborts the process now and then ("terminate called without an
+    active exception", SIGABRT after a finished run: pytorch/pytorch#190489); Lightning destroys only NCCL groups at
+    exit. Not at teardown: users run collectives after `fit` (`trainer.strategy.reduce`, `broadcast`).
+    """
+    atexit.register(_destroy_process_groups)
+
+
+def _destroy_process_groups() -> None:
+    if _distributed_is_initialized():
+        dist.destroy_process_group()
 
 
 class NeuronDDPStrategy(NeuronStrategyMixin, ParallelStrategy):
@@ -154,6 +172,8 @@ class NeuronDDPStrategy(NeuronStrategyMixin, ParallelStrategy):
             )
         self._process_group_backend = backend
         assert self.cluster_environment is not None
+        if not _distributed_is_initialized():  # a group the user initialised is the user's to destroy
+            destroy_process_groups_at_exit()
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         world_size = dist.get_world_size()
         if world_size != self.world_size:

@@ -6,12 +6,14 @@ Writes to --out: `final.ckpt` (through a checkpoint IO that records which rank s
 (the last step's loss, logged with `sync_dist=True`, the torchmetrics sample count, the device scalar reads and
 device-to-host copies between steps, the backend), from every rank `device_rank<r>.txt` (its parameters' device)
 and `tied_rank<r>.txt` (whether the tied weight is still one Parameter after `fit`),
-and `collectives.json` with the results of `strategy.reduce` / `all_gather` / `broadcast`.
+and `collectives.json` with the results of `strategy.reduce` / `all_gather` / `broadcast`; at exit, from every rank
+`groups_destroyed_rank<r>.txt` (whether the process groups were destroyed before the interpreter's teardown).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 from datetime import timedelta
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torchmetrics
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -109,6 +112,11 @@ def write_collectives(strategy: lightning_trn.NeuronDDPStrategy, out: Path) -> N
         (out / "collectives.json").write_text(json.dumps(results))
 
 
+def record_groups_destroyed(out: Path, rank: str) -> None:
+    """Registered before the strategy's exit handler, so it runs after it (atexit runs last-in first-out)."""
+    (out / f"groups_destroyed_rank{rank}.txt").write_text(str(not dist.is_initialized()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -122,7 +130,9 @@ def main() -> None:
     args = parser.parse_args()
 
     pl.seed_everything(SEED)  # the same on every rank: Lightning seeds the injected DistributedSampler with it
-    torch.manual_seed(SEED + int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))))
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    torch.manual_seed(SEED + int(rank))
+    atexit.register(record_groups_destroyed, args.out, rank)
     model = Regression(args.die_rank, args.die_step)
     world = args.devices * args.num_nodes
     data = dataset(args.batch_size * world * args.steps)
