@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from torchmetrics import Metric
 

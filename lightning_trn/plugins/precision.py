@@ -1,5 +1,8 @@
 """`NeuronPrecision`: the precision plugin used by the Neuron strategies ("32-true", "bf16-mixed", "bf16-true").
 
+`NeuronPrecisionCore` holds everything but the optimizer step's signature, which differs between Lightning's two
+APIs; Fabric's plugin (`lightning_trn.fabric.NeuronPrecision`) shares it.
+
 The Neuron compiler and runtime take their precision settings from environment variables read when they start, so
 the plugin sets them when it is constructed (inside `Trainer(...)`, before the runtime starts), never overriding a
 value the user set, and restores them on teardown. It only touches them on a Neuron platform: on XLA:CPU they mean
@@ -59,8 +62,8 @@ def _to_bf16(tensor: Tensor) -> Tensor:
     return tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
 
 
-class NeuronPrecision(Precision):
-    """Precision for NeuronCores and XLA:CPU.
+class NeuronPrecisionCore:
+    """Precision for NeuronCores and XLA:CPU, mixed into the Trainer's and Fabric's precision plugins.
 
     Args:
         precision: "32-true" (fp32 everywhere), "bf16-mixed" (fp32 parameters and optimizer state, forward and
@@ -84,9 +87,10 @@ class NeuronPrecision(Precision):
     ) -> None:
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
-                f"`Trainer(accelerator='neuron', precision={precision!r})` is not supported. "
+                f"`accelerator='neuron'` with `precision={precision!r}` is not supported. "
                 f"Choose one of: {', '.join(SUPPORTED_PRECISION)}."
             )
+        super().__init__()
         if master_weights and precision != "bf16-true":
             raise ValueError(f"`master_weights=True` applies to precision='bf16-true' only, got {precision!r}.")
         self.precision = precision
@@ -146,29 +150,49 @@ class NeuronPrecision(Precision):
                 f"would set {name}={value}. Unset it to get the precision's default behaviour."
             )
 
-    @override
     def convert_module(self, module: Module) -> Module:
         return module.to(dtype=torch.bfloat16) if self.precision == "bf16-true" else module
 
-    @override
     def convert_input(self, data: Any) -> Any:
         if self.precision != "bf16-true":
             return data
         return apply_to_collection(data, dtype=Tensor, function=_to_bf16)
 
-    @override
     def tensor_init_context(self) -> AbstractContextManager:
         return _default_dtype(torch.bfloat16) if self.precision == "bf16-true" else nullcontext()
 
-    @override
     def module_init_context(self) -> AbstractContextManager:
         return self.tensor_init_context()
 
-    @override
     def forward_context(self) -> AbstractContextManager:
         if self.precision == "bf16-mixed":
             return get_runtime().autocast(torch.bfloat16)
         return self.tensor_init_context()
+
+    def _check_bf16_step_supports(self, optimizer: Optimizer) -> None:
+        if isinstance(optimizer, LBFGS):
+            raise MisconfigurationException(
+                "LBFGS re-evaluates its closure inside `step()`, which the fp32 update of precision='bf16-true' "
+                "(software stochastic rounding / master weights) does not support. Use another optimizer."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.master_weights or self._bf16_step is None:
+            return {}
+        return {"master_weights": self._bf16_step.master_state_dict(self._named_parameters)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._bf16_step is not None and "master_weights" in state_dict:
+            self._bf16_step.load_master_state_dict(self._named_parameters, state_dict["master_weights"])
+
+    def teardown(self) -> None:
+        """Put back every environment variable the plugin changed."""
+        self._environment.restore()
+        self._environment_applied = False
+
+
+class NeuronPrecision(NeuronPrecisionCore, Precision):
+    """The Trainer's precision plugin for NeuronCores and XLA:CPU; see `NeuronPrecisionCore` for the arguments."""
 
     @override
     def connect(
@@ -193,31 +217,10 @@ class NeuronPrecision(Precision):
         run as usual in bf16, then the update runs in fp32 through `Bf16OptimizerStep`."""
         if self._bf16_step is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if isinstance(optimizer, LBFGS):
-            raise MisconfigurationException(
-                "LBFGS re-evaluates its closure inside `step()`, which the fp32 update of precision='bf16-true' "
-                "(software stochastic rounding / master weights) does not support. Use another optimizer."
-            )
+        self._check_bf16_step_supports(optimizer)
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return closure_result  # `training_step` returned None: backward and the update are skipped
         self._bf16_step.step(optimizer, **kwargs)
         return closure_result
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        if not self.master_weights or self._bf16_step is None:
-            return {}
-        return {"master_weights": self._bf16_step.master_state_dict(self._named_parameters)}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._bf16_step is not None and "master_weights" in state_dict:
-            self._bf16_step.load_master_state_dict(self._named_parameters, state_dict["master_weights"])
-
-    @override
-    def teardown(self) -> None:
-        """Put back every environment variable the plugin changed."""
-        self._environment.restore()
-        self._environment_applied = False

@@ -20,8 +20,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
 from lightning_trn.runtime.collectives import Collectives
-from lightning_trn.runtime.discovery import CPU, NeuronUnavailableError, Platform, detect_platform, torch_xla_installed
-from lightning_trn.runtime.environment import NEURON_COMPILE_CACHE_URL
+from lightning_trn.runtime.discovery import CPU, Platform, detect_platform, torch_xla_installed
+from lightning_trn.runtime.environment import NEURON_COMPILE_CACHE_URL, EnvironmentPatch
 
 log = logging.getLogger(__name__)
 

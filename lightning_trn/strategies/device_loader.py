@@ -10,9 +10,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
-from torch.utils.data import RandomSampler
-
 from lightning.pytorch.utilities._pytree import tree_unflatten
+from torch.utils.data import RandomSampler
 
 from lightning_trn.runtime import DeviceRuntime
 
@@ -20,7 +19,9 @@ log = logging.getLogger(__name__)
 
 #: `state_dict()` key: batches of the current epoch handed to the training loop (including skipped ones)
 BATCHES_YIELDED = "batches_yielded"
-_OWN_ATTRIBUTES = ("_loader", "_device", "_runtime", "_deliveries", "_position", "_yielded", "_skip")
+_OWN_ATTRIBUTES = (
+    "_loader", "_device", "_runtime", "_deliveries", "_position", "_before_batch", "_yielded", "_skip"
+)
 
 
 class DevicePrefetchLoader:
@@ -42,7 +43,8 @@ class DevicePrefetchLoader:
     calls `set_epoch` on the sampler, and an eager background loader would read the sampler's previous epoch.
 
     Every batch handed out is also appended to `deliveries` when given (a bounded deque the strategy owns), so the
-    strategy can recognise a batch that is already on the device without walking its tensors.
+    strategy can recognise a batch that is already on the device without walking its tensors. `before_batch`, when
+    given, is called before each batch is handed out (Fabric's strategies cut the graph there).
     """
 
     def __init__(
@@ -52,12 +54,14 @@ class DevicePrefetchLoader:
         runtime: DeviceRuntime,
         deliveries: Optional[deque] = None,
         position: Optional[Callable[[], int]] = None,
+        before_batch: Optional[Callable[[], None]] = None,
     ) -> None:
         self._loader = dataloader
         self._device = device
         self._runtime = runtime
         self._deliveries = deliveries
         self._position = position
+        self._before_batch = before_batch
         self._yielded = 0
         self._skip = 0
 
@@ -68,8 +72,10 @@ class DevicePrefetchLoader:
         skip = self._start_position()
         self._yielded = skip
         source = itertools.islice(self._loader, skip, None) if skip else self._loader
-        deliveries = self._deliveries
+        deliveries, before_batch = self._deliveries, self._before_batch
         for batch in self._runtime.prefetch(source, self._device):
+            if before_batch is not None:
+                before_batch()
             self._yielded += 1
             if deliveries is not None:
                 deliveries.append(batch)

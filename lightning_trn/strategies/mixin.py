@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
-from collections import deque
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
@@ -20,19 +17,14 @@ from lightning_trn import _lightning_hooks
 from lightning_trn._logging_hooks import settle_progress_bar_metrics
 from lightning_trn._loop_shortcuts import install_run_shortcuts
 from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin, host_sync_free_replacement
-from lightning_trn.plugins.io import NeuronCheckpointIO
 from lightning_trn.plugins.precision import NeuronPrecision
 from lightning_trn.precompile import GRAPHS_ONLY_ENV, apply_precompile_limits, graphs_only
-from lightning_trn.runtime import DeviceRuntime, get_runtime
-from lightning_trn.strategies.device_loader import DevicePrefetchLoader
+from lightning_trn.strategies.core import NeuronStrategyCore
 
 log = logging.getLogger(__name__)
 
 #: LightningModule / LightningDataModule hooks that may change a batch on its way to the device
 _BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-#: how many of the latest batches from the device prefetchers `batch_to_device` recognises (Lightning's fetcher
-#: reads one batch ahead, so the batch being transferred is the last or the second-to-last one delivered)
-_RECENT_DELIVERIES = 4
 
 
 def _resume_position(trainer: pl.Trainer) -> Callable[[], int]:
@@ -49,11 +41,10 @@ def _resume_position(trainer: pl.Trainer) -> Callable[[], int]:
     return position
 
 
-class NeuronStrategyMixin:
+class NeuronStrategyMixin(NeuronStrategyCore):
     """Mixed into a Lightning strategy: device placement, prefetching, one graph cut per optimizer step, portable
     checkpoints. Strategies override `reduce_gradients` to all-reduce between backward and the optimizer update."""
 
-    _checkpoint_io: Optional[CheckpointIO]
     #: read by `lightning_trn._logging_hooks`: leave `prog_bar=True` values as tensors instead of syncing per step
     defer_progress_bar_metrics: bool = False
     #: read by `lightning_trn._logging_hooks`: repeated `self.log` calls update Lightning's stored result directly
@@ -62,8 +53,6 @@ class NeuronStrategyMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: the latest batches this strategy's prefetchers handed to the loops (already on the device)
-        self._deliveries: deque = deque(maxlen=_RECENT_DELIVERIES)
         #: set in `setup`: no batch-transfer hook of the model or datamodule is overridden
         self._batch_transfer_is_default = False
         #: the last training batch ended with the optimizer step's graph cut, and nothing ran since (see
@@ -71,21 +60,6 @@ class NeuronStrategyMixin:
         self._cut_after_step = False
         #: this strategy's run holds the hooks into Lightning's internals (`lightning_trn._lightning_hooks`)
         self._holds_lightning_hooks = False
-
-    @property
-    def runtime(self) -> DeviceRuntime:
-        """The device runtime every device call goes through."""
-        return get_runtime()
-
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = NeuronCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
 
     @property
     def precision_plugin(self) -> Precision:
@@ -97,43 +71,21 @@ class NeuronStrategyMixin:
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         self._precision_plugin = plugin
 
-    def _check_accelerator(self) -> None:
-        from lightning_trn.accelerator import NeuronAccelerator
-
-        accelerator = getattr(self, "accelerator", None)
-        if not isinstance(accelerator, NeuronAccelerator):
-            raise ValueError(
-                f"{type(self).__name__} runs on NeuronCores or XLA:CPU only: use it with "
-                f"`Trainer(accelerator='neuron')`, found accelerator {type(accelerator).__name__}."
-            )
-
     def model_to_device(self) -> None:
-        """Move the model to the device, keeping tied weights tied (moving between the host and the device creates new
-        Parameters, one per module that holds a shared one)."""
-        model = self.model  # type: ignore[attr-defined]
-        shared = find_shared_parameters(model)
-        model.to(self.root_device)  # type: ignore[attr-defined]
-        set_shared_parameters(model, shared)
+        self._move_keeping_ties(self.model)  # type: ignore[attr-defined]
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Batches are copied to the device in the background while the previous step runs."""
-        if isinstance(dataloader, DevicePrefetchLoader):
-            return dataloader
+        """Batches are copied to the device in the background while the previous step runs; a training loader
+        resumes mid-epoch at the fit loop's own count."""
         module = self._lightning_module  # type: ignore[attr-defined]
         trainer = module._trainer if module is not None else None
-        return DevicePrefetchLoader(
-            dataloader,
-            self.root_device,  # type: ignore[attr-defined]
-            self.runtime,
-            self._deliveries,
-            position=None if trainer is None else _resume_position(trainer),
-        )
+        return self._prefetching(dataloader, position=None if trainer is None else _resume_position(trainer))
 
     def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
         """A batch just delivered by the device prefetcher is on the device already: hand it over as it is, unless a
         batch-transfer hook is overridden. Lightning's path would walk it through two more hooks and a `.to()` per
         tensor that changes nothing (host time every step)."""
-        if device is None and self._batch_transfer_is_default and any(batch is d for d in self._deliveries):
+        if device is None and self._batch_transfer_is_default and self._delivered(batch):
             return batch
         return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
@@ -243,13 +195,6 @@ class NeuronStrategyMixin:
                 self._holds_lightning_hooks = False
                 _lightning_hooks.release()
 
-    def _seed_device(self) -> None:
-        """Make `seed_everything(s)` reach the device RNG (dropout, stochastic rounding): every rank gets the same
-        seed, as Lightning seeds every rank's host RNG the same."""
-        seed = os.environ.get("PL_GLOBAL_SEED")
-        if seed is not None:
-            self.runtime.manual_seed(int(seed))
-
     @staticmethod
     def _evaluate_under_no_grad(trainer: pl.Trainer) -> None:
         """XLA tensors fail under `torch.inference_mode` ("Cannot set version_counter for inference tensor");
@@ -274,7 +219,3 @@ class NeuronStrategyMixin:
                 "RichProgressBar are swapped for host-sync-free ones that keep your options)."
             )
         self.defer_progress_bar_metrics = bar is None or isinstance(bar, HostSyncFreeMetricsMixin)
-
-    def setup_environment(self) -> None:
-        self._check_accelerator()
-        super().setup_environment()  # type: ignore[misc]

@@ -1,0 +1,249 @@
+"""`DataParallelCore`: the data-parallel logic shared by the Trainer's and Fabric's `NeuronDDPStrategy`.
+
+One process per NeuronCore, from torchrun, SLURM or the strategy's own launcher; the model is not wrapped in torch's
+DistributedDataParallel: gradients are averaged explicitly, bucketed, once per optimizer step, by the runtime's
+collectives (`xm` on Neuron with torch_xla, gloo on host copies on XLA:CPU, the `neuron` process group on the device
+tensors natively). Host-side objects, barriers and flags go over a gloo group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.utilities.exceptions import _augment_message
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_trn.runtime.collectives import Collectives, check_world_size
+from lightning_trn.runtime.environment import EnvironmentPatch
+
+
+@functools.cache  # registered once per process
+def destroy_process_groups_at_exit() -> None:
+    """Destroy every process group while the interpreter is still whole, once, at exit.
+
+    A gloo group left to the interpreter's teardown aborts the process now and then ("terminate called without an
+    active exception", SIGABRT after a finished run: pytorch/pytorch#190489); Lightning destroys only NCCL groups at
+    exit. Not at teardown: users run collectives after `fit` (`trainer.strategy.reduce`, `broadcast`).
+    """
+    atexit.register(_destroy_process_groups)
+
+
+def _destroy_process_groups() -> None:
+    if _distributed_is_initialized():
+        dist.destroy_process_group()
+
+
+def _is_world(group: Optional[Any]) -> bool:
+    """Whether `group` means all processes: None (Lightning's Trainer) or `group.WORLD` (what Fabric passes)."""
+    return group is None or group is dist.group.WORLD
+
+
+class DataParallelCore:
+    """Mixed into a Neuron strategy before Lightning's `ParallelStrategy` (the Trainer's or Fabric's).
+
+    Args:
+        process_group_backend: `torch.distributed` backend of the default group; by default `xla` on Neuron with
+            torch_xla, `gloo` on XLA:CPU, `neuron` on the native backend. `xla` is refused on XLA:CPU, whose runtime
+            collectives do not span processes.
+        timeout: timeout of the process groups: a rank waiting on a dead peer fails after at most this long.
+    """
+
+    strategy_name = "neuron_ddp"
+
+    def __init__(
+        self,
+        *args: Any,
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._env = EnvironmentPatch()
+        self._collectives: Optional[Collectives] = None
+        #: gloo group for host-side objects, barriers and flags (None: the default group, already gloo)
+        self._host_group: Optional[Any] = None
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's NeuronCore: `xla:0` on XLA (each process sees only its own), natively `neuron:<local rank>`.
+        """
+        return self.runtime.device()
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's connector for strategies it does not know: enables the DistributedSampler and
+        `self.log(..., sync_dist=True)` reduction."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (NeuronCores) per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def collectives(self) -> Collectives:
+        """The cross-process collectives, available once the process group is set up."""
+        if self._collectives is None:
+            raise RuntimeError(f"{type(self).__name__}: collectives are used before `setup_environment`.")
+        return self._collectives
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size (as Lightning's DDP does)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        """Claim this process's NeuronCore before the device is first touched, then join the process group."""
+        assert self.cluster_environment is not None
+        self.set_world_ranks()
+        self.runtime.configure_process(
+            global_rank=self.global_rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            local_world_size=self.num_processes,
+            main_address=self.cluster_environment.main_address,
+            env=self._env,
+        )
+        super().setup_environment()  # type: ignore[misc]
+        self._setup_distributed()
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        runtime = self.runtime
+        cross_process = runtime.supports_cross_process_collectives()
+        backend = self._process_group_backend or runtime.process_group_backend()
+        if backend == "xla" and not cross_process:
+            raise RuntimeError(
+                "process_group_backend='xla' on XLA:CPU: its runtime collectives do not span processes, so every "
+                "process would only reduce with itself. Leave `process_group_backend` unset (gloo on host copies)."
+            )
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        if not _distributed_is_initialized():  # a group the user initialised is the user's to destroy
+            destroy_process_groups_at_exit()
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        world_size = dist.get_world_size()
+        if world_size != self.world_size:
+            raise RuntimeError(
+                f"torch.distributed reports {world_size} processes but the Trainer expects {self.world_size} "
+                f"(num_nodes={self.num_nodes} x devices={self.num_processes}): match torchrun's --nnodes / "
+                "--nproc_per_node (or SLURM's --nodes / --ntasks-per-node) to the Trainer's num_nodes / devices."
+            )
+        check_world_size(world_size, runtime.world_size() if cross_process else 1, cross_process)
+        if backend != "gloo":
+            self._host_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self._collectives = runtime.collectives(world_size, self._host_group)
+
+    def _route_metric_syncs(self, model: Optional[Module]) -> None:
+        """Give the module's torchmetrics metrics the collectives' gather where their default cannot work."""
+        sync_fn = self.collectives.metric_sync_fn()
+        if sync_fn is None or model is None:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # no torchmetrics, no metrics to sync
+            return
+        for module in model.modules():
+            if isinstance(module, Metric) and module.dist_sync_fn is None:  # keep a gather the user chose
+                module.dist_sync_fn = sync_fn
+
+    def _broadcast_module_states(self, model: Module) -> None:
+        """Start every rank from rank 0's parameters and buffers, whatever each process's seed."""
+        tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel()]
+        if tensors:
+            self.collectives.broadcast_(tensors, src=0)
+
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        """Average the gradients over all ranks, once per optimizer step (after accumulation), bucketed."""
+        gradients = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if gradients:
+            self.collectives.reduce_gradients(gradients)
+
+    def all_reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Union[Tensor, Any]:
+        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min; non-tensors are returned unchanged."""
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        if not _is_world(group):
+            raise ValueError(f"{type(self).__name__} reduces over all processes; `group` is not supported.")
+        return self.collectives.all_reduce(tensor, reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Every rank's `tensor`, stacked along a new first dimension (gradients do not flow back through it)."""
+        if not _distributed_is_initialized():
+            return tensor.unsqueeze(0)
+        if not _is_world(group) or sync_grads:
+            raise ValueError(f"{type(self).__name__}.all_gather supports neither `group` nor `sync_grads=True`.")
+        return self.collectives.all_gather(tensor)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Decided on the host group: no device tensor, so no device round trip (early stopping, checkpointing)."""
+        if not _distributed_is_initialized():
+            return decision
+        votes = torch.tensor(int(decision))
+        dist.all_reduce(votes, op=ReduceOp.SUM, group=self._host_group)
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier(group=self._host_group)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src, group=self._host_group)
+        return objects[0]
+
+    def _explain_failure(self, exception: BaseException) -> None:
+        """Say what a failed collective usually means: another rank died or stopped answering."""
+        _augment_message(
+            exception,
+            pattern=r".*(Connection (reset|closed) by peer|timed out|Timed out|Socket Timeout).*",
+            new_message=(
+                f"lightning_trn: a collective between the {self.world_size} data-parallel processes failed on rank "
+                f"{self.global_rank}: another rank exited or stopped answering (look for the first error in the other "
+                f"ranks' output). Original error: {exception}"
+            ),
+        )
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        self._env.restore()
