@@ -1,23 +1,32 @@
-"""Make `Trainer(accelerator="neuron")` work: registry entries plus version-guarded connector hooks.
+"""Make `Trainer(accelerator="neuron")` and `Fabric(accelerator="neuron")` work: registry entries plus
+version-guarded connector hooks, the same for both of Lightning's APIs (`_API` says what differs).
 
-Lightning discovers no outside accelerators and, for a registered "neuron" string, `_AcceleratorConnector`
-would pick `SingleDeviceStrategy("cpu")` (or "ddp") and a non-XLA precision plugin. We wrap exactly the methods
-that decide this, only for the Lightning versions we test: `_choose_auto_accelerator` ("auto" means neuron on real
-NeuronCores), `_choose_strategy`, `_check_strategy_and_fallback` (Lightning's strategy names on a Neuron run) and
-`_check_and_init_precision`. Everything that is not a Neuron run goes to the original methods untouched.
+Lightning discovers no outside accelerators and, for a registered "neuron" string, its connectors
+(`_AcceleratorConnector` for the Trainer, `_Connector` for Fabric) would pick `SingleDeviceStrategy("cpu")` (or
+"ddp") and a non-XLA precision plugin. We wrap exactly the methods that decide this, only for the Lightning versions
+we test: `_choose_auto_accelerator` ("auto" means neuron on real NeuronCores), `_choose_strategy`,
+`_check_strategy_and_fallback` (Lightning's strategy names on a Neuron run) and `_check_and_init_precision`.
+Everything that is not a Neuron run goes to the original methods untouched.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import lightning
+from lightning.fabric.accelerators import ACCELERATOR_REGISTRY as FABRIC_ACCELERATORS
+from lightning.fabric.connector import _Connector
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+from lightning.fabric.strategies import Strategy as FabricStrategy
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
+from lightning_trn import fabric
 from lightning_trn._lightning_hooks import TESTED_LIGHTNING, lightning_version_tested
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.plugins.precision import NeuronPrecision
@@ -31,7 +40,47 @@ _DDP_STRATEGY_NAME = NeuronDDPStrategy.strategy_name
 _DDP_ALIASES = ("ddp", "ddp_find_unused_parameters_false")
 
 
-def _is_neuron(connector: _AcceleratorConnector) -> bool:
+@dataclass(frozen=True)
+class _API:
+    """What differs between the Trainer's and Fabric's registration: the connector, registries and classes."""
+
+    name: str
+    #: where the API's Neuron classes are public
+    package: str
+    connector: type
+    accelerators: Any
+    strategies: Any
+    strategy_base: type
+    single: type
+    ddp: type
+    #: the connector's Neuron precision plugin, or None when the user passed a precision plugin object
+    precision: Callable[[Any], Any]
+
+
+def _trainer_precision(connector: _AcceleratorConnector) -> Any:
+    if isinstance(connector._precision_plugin_flag, Precision):
+        return None
+    connector._validate_precision_choice()
+    return NeuronPrecision(connector._precision_flag)
+
+
+def _fabric_precision(connector: _Connector) -> Any:
+    if isinstance(connector._precision_instance, FabricPrecision):
+        return None
+    return fabric.NeuronPrecision(connector._precision_input)
+
+
+TRAINER = _API(
+    "Trainer", "lightning_trn", _AcceleratorConnector, AcceleratorRegistry, StrategyRegistry, NeuronStrategyMixin,
+    SingleDeviceNeuronStrategy, NeuronDDPStrategy, _trainer_precision,
+)
+FABRIC = _API(
+    "Fabric", "lightning_trn.fabric", _Connector, FABRIC_ACCELERATORS, FABRIC_STRATEGIES, fabric.strategies.NeuronFabricStrategyMixin,
+    fabric.SingleDeviceNeuronStrategy, fabric.NeuronDDPStrategy, _fabric_precision,
+)
+
+
+def _is_neuron(connector: Any) -> bool:
     """Whether the connector sets up a Neuron run (its accelerator is already constructed when the hooks run).
 
     Raises:
@@ -54,16 +103,16 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _neuron_strategy_flag(flag: Any) -> Any:
+def _neuron_strategy_flag(api: _API, flag: Any) -> Any:
     """The strategy flag for a Neuron run: Lightning's DDP names become `neuron_ddp`; strategies that cannot run on
     NeuronCores are refused before anything starts (they would fail inside `fit` with a CUDA/device-id message)."""
-    if isinstance(flag, NeuronStrategyMixin) or flag in (_DDP_STRATEGY_NAME, SingleDeviceNeuronStrategy.strategy_name):
+    if isinstance(flag, api.strategy_base) or flag in (_DDP_STRATEGY_NAME, SingleDeviceNeuronStrategy.strategy_name):
         return flag
     if flag in _DDP_ALIASES:
         return _DDP_STRATEGY_NAME
-    name = type(flag).__name__ if isinstance(flag, Strategy) else repr(flag)
+    name = type(flag).__name__ if isinstance(flag, (Strategy, FabricStrategy)) else repr(flag)
     raise ValueError(
-        f"`Trainer(accelerator='neuron', strategy={name})` is not supported. On NeuronCores lightning_trn trains "
+        f"`{api.name}(accelerator='neuron', strategy={name})` is not supported. On NeuronCores lightning_trn trains "
         "data-parallel with its own strategy, which `strategy='ddp'` or 'auto' selects (`NeuronDDPStrategy`): one "
         "process per NeuronCore, started by the script itself (`python train.py`), torchrun or SLURM, gradients "
         "all-reduced once per optimizer step. Spawned or forked processes ('ddp_spawn', 'ddp_fork', "
@@ -73,86 +122,84 @@ def _neuron_strategy_flag(flag: Any) -> Any:
     )
 
 
-def _choose_neuron_strategy(connector: _AcceleratorConnector) -> Any:
+def _choose_neuron_strategy(api: _API, connector: Any) -> Any:
     if connector._num_nodes_flag > 1 or len(connector._parallel_devices) > 1:
-        if _DDP_STRATEGY_NAME not in StrategyRegistry:
-            raise NotImplementedError(
-                "Data-parallel training on several NeuronCores (`devices>1` or `num_nodes>1`) is not available in "
-                "this version of lightning_trn yet. Use `devices=1`."
-            )
         return _DDP_STRATEGY_NAME
-    return SingleDeviceNeuronStrategy()
+    return api.single()
 
 
-def _install_connector_hooks() -> bool:
+def _install_connector_hooks(api: _API) -> bool:
     """Wrap the connector's strategy and precision choice; returns False (and warns) if the version is untested."""
-    if getattr(_AcceleratorConnector, "_lightning_trn_hooked", False):
+    connector = api.connector
+    if getattr(connector, "_lightning_trn_hooked", False):
         return True
-    if not lightning_version_tested() or not all(hasattr(_AcceleratorConnector, name) for name in _HOOKED):
+    if not lightning_version_tested() or not all(hasattr(connector, name) for name in _HOOKED):
         warnings.warn(
             f"lightning_trn was tested with lightning>={TESTED_LIGHTNING[0]},<{TESTED_LIGHTNING[1]}, found "
             f"{lightning.__version__}: "
-            "`Trainer(accelerator='neuron')` will not pick the Neuron strategy by itself. Pass it explicitly: "
-            "`Trainer(accelerator='neuron', strategy='neuron_single')` (or 'neuron_ddp'), "
-            "`plugins=[lightning_trn.NeuronPrecision(...)]`.",
+            f"`{api.name}(accelerator='neuron')` will not pick the Neuron strategy by itself. Pass it explicitly: "
+            f"`{api.name}(accelerator='neuron', strategy='neuron_single')` (or 'neuron_ddp'), "
+            f"`plugins=[{api.package}.NeuronPrecision(...)]`.",
             stacklevel=3,
         )
         return False
 
-    choose_auto_accelerator = _AcceleratorConnector._choose_auto_accelerator
-    choose_strategy = _AcceleratorConnector._choose_strategy
-    check_strategy_and_fallback = _AcceleratorConnector._check_strategy_and_fallback
-    check_and_init_precision = _AcceleratorConnector._check_and_init_precision
+    choose_auto_accelerator = connector._choose_auto_accelerator
+    choose_strategy = connector._choose_strategy
+    check_strategy_and_fallback = connector._check_strategy_and_fallback
+    check_and_init_precision = connector._check_and_init_precision
 
     def _choose_auto_accelerator() -> str:
         return _NAME if neuron_hardware_present() else choose_auto_accelerator()
 
-    def _choose_strategy(self: _AcceleratorConnector) -> Any:
+    def _choose_strategy(self: Any) -> Any:
         if _is_neuron(self):
-            return _choose_neuron_strategy(self)
+            return _choose_neuron_strategy(api, self)
         return choose_strategy(self)
 
-    def _check_strategy_and_fallback(self: _AcceleratorConnector) -> None:
+    def _check_strategy_and_fallback(self: Any) -> None:
         if _is_neuron(self):
-            self._strategy_flag = _neuron_strategy_flag(self._strategy_flag)
+            self._strategy_flag = _neuron_strategy_flag(api, self._strategy_flag)
         check_strategy_and_fallback(self)
 
-    def _check_and_init_precision(self: _AcceleratorConnector) -> Precision:
-        if isinstance(self.strategy, NeuronStrategyMixin) and not isinstance(self._precision_plugin_flag, Precision):
-            self._validate_precision_choice()
-            return NeuronPrecision(self._precision_flag)
+    def _check_and_init_precision(self: Any) -> Any:
+        if isinstance(self.strategy, api.strategy_base):
+            precision = api.precision(self)
+            if precision is not None:
+                return precision
         return check_and_init_precision(self)
 
-    _AcceleratorConnector._choose_auto_accelerator = staticmethod(_choose_auto_accelerator)  # type: ignore
-    _AcceleratorConnector._choose_strategy = _choose_strategy  # type: ignore[method-assign]
-    _AcceleratorConnector._check_strategy_and_fallback = _check_strategy_and_fallback  # type: ignore[method-assign]
-    _AcceleratorConnector._check_and_init_precision = _check_and_init_precision  # type: ignore[method-assign]
-    _AcceleratorConnector._lightning_trn_hooked = True  # type: ignore[attr-defined]
+    connector._choose_auto_accelerator = staticmethod(_choose_auto_accelerator)
+    connector._choose_strategy = _choose_strategy
+    connector._check_strategy_and_fallback = _check_strategy_and_fallback
+    connector._check_and_init_precision = _check_and_init_precision
+    connector._lightning_trn_hooked = True
     return True
 
 
-def _register_accelerator() -> None:
+def _register_accelerator(registry: Any) -> None:
     """Register "neuron" as lightning_trn's accelerator, taking the name back (with a warning) from another package
     that registered it first, so `accelerator="neuron"` never mixes two packages' classes."""
-    entry = dict.get(AcceleratorRegistry, _NAME)
+    entry = dict.get(registry, _NAME)
     if entry is not None and entry["accelerator"] is NeuronAccelerator:
         return
     if entry is not None:
         warnings.warn(
             f"`accelerator='neuron'` was registered by {_qualname(entry['accelerator'])} (AWS's neuronx-distributed?); "
             "lightning_trn registers its own NeuronAccelerator under that name now. To use the other package's "
-            "accelerator, pass its object: `Trainer(accelerator=<its class>())`.",
+            "accelerator, pass its object: `accelerator=<its class>()`.",
             stacklevel=3,
         )
-        del AcceleratorRegistry[_NAME]
-    NeuronAccelerator.register_accelerators(AcceleratorRegistry)
+        del registry[_NAME]
+    NeuronAccelerator.register_accelerators(registry)
 
 
 def register() -> None:
-    """Register the accelerator and strategies with Lightning and hook the connector (idempotent)."""
-    _register_accelerator()
-    if SingleDeviceNeuronStrategy.strategy_name not in StrategyRegistry:
-        SingleDeviceNeuronStrategy.register_strategies(StrategyRegistry)
-    if NeuronDDPStrategy.strategy_name not in StrategyRegistry:
-        NeuronDDPStrategy.register_strategies(StrategyRegistry)
-    _install_connector_hooks()
+    """Register the accelerator and strategies with the Trainer's and Fabric's registries and hook their connectors
+    (idempotent)."""
+    for api in (TRAINER, FABRIC):
+        _register_accelerator(api.accelerators)
+        for strategy in (api.single, api.ddp):
+            if strategy.strategy_name not in api.strategies:
+                strategy.register_strategies(api.strategies)
+        _install_connector_hooks(api)

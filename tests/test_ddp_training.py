@@ -159,3 +159,31 @@ def test_dead_rank_fails_the_others_instead_of_hanging(tmp_path: Path, launcher:
     clear_errors = ("another rank exited or stopped answering", "terminated with code 3", "failed (exitcode: 3)")
     assert any(message in result.stderr for message in clear_errors), result.stderr[-3000:]
     assert not (tmp_path / "final.ckpt").exists()
+
+
+FABRIC_SCRIPT = Path(__file__).parent / "scripts" / "fabric_train.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_fabric_loop_on_two_processes_matches_the_trainer_on_one(tmp_path: Path, reference: tuple, launcher: str):
+    """The same job as a Fabric loop written the natural way (issue 16): `fabric.launch()` self-launch or torchrun,
+    batch 4 on each of 2 ranks, ends with the weights of the 1-process Trainer run on batch 8."""
+    prefix = [sys.executable] if launcher == "python" else _torchrun(nproc=2)
+    args = [str(FABRIC_SCRIPT), "--out", str(tmp_path), "--devices", "2", "--batch-size", "4", "--steps", str(STEPS)]
+    result = _run([*prefix, *args], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights, reference_loss = reference
+    run = _run_summary(tmp_path)
+    assert run["world_size"] == 2 and run["tied"]
+    assert run["last_loss"] == pytest.approx(reference_loss, abs=WEIGHT_TOLERANCE)
+    # between steps: nothing read from the device, no graph compiled after the first steps
+    assert (run["scalar_reads"], run["compiles"]) == (0, 0)
+    if run["backend"] == "native":
+        assert run["device_to_host"] == 0
+    assert (run["sum"], run["gathered"], run["broadcast"]) == ([3.0], [[1.0], [2.0]], {"from_rank": 0})
+    saved = torch.load(tmp_path / "fabric.ckpt", weights_only=True)
+    assert saved.keys() >= {"state_dict", "optimizer_states", "lr_schedulers", "pytorch-lightning_version"}
+    assert all(w.device.type == "cpu" for w in saved["state_dict"].values())
+    for name, value in weights.items():
+        torch.testing.assert_close(saved["state_dict"][name], value, atol=WEIGHT_TOLERANCE, rtol=0, msg=name)

@@ -25,7 +25,7 @@ class Recorder(Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.param_devices = {p.device.type for p in pl_module.parameters()}
-        self.train_loader = trainer.train_dataloader
+        self.train_loader = trainer.fit_loop._combined_loader.flattened[0]  # what the loop iterates
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())

@@ -1,0 +1,7 @@
+"""Fabric's Neuron strategies."""
+
+from lightning_trn.fabric.strategies.ddp import NeuronDDPStrategy
+from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
+from lightning_trn.fabric.strategies.single import SingleDeviceNeuronStrategy
+
+__all__ = ["NeuronDDPStrategy", "NeuronFabricStrategyMixin", "SingleDeviceNeuronStrategy"]

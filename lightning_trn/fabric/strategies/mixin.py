@@ -1,0 +1,101 @@
+"""`NeuronFabricStrategyMixin`: what Fabric's Neuron strategies add to the shared device logic
+(`lightning_trn.strategies.core`): Fabric's hooks for moving modules and optimizers, the graph cut, checkpoints.
+
+Where the graph is cut (one compiled graph per step, nothing read from the device between steps): after each
+`optimizer.step()` (the step's forward, backward, gradient reduction and update become one graph), and when the next
+batch is taken from a loader set up with `fabric.setup_dataloaders` if no optimizer step ran since the last batch
+(an evaluation loop, or a gradient-accumulation micro-batch: that batch's work becomes its own graph instead of
+growing, and changing, the next one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_trn.fabric.precision import NeuronPrecision
+from lightning_trn.strategies.core import NeuronStrategyCore
+
+
+class NeuronFabricStrategyMixin(NeuronStrategyCore):
+    """Mixed into Fabric's strategy classes; data-parallel strategies override `reduce_gradients`."""
+
+    _precision: Optional[Precision]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: the last optimizer step ended with a graph cut, and no batch was taken since
+        self._cut_after_step = False
+        #: host Parameter -> its device Parameter, for optimizers built before the module moved
+        self._moved: dict[Tensor, Tensor] = {}
+        self._device_seeded = False
+
+    @property
+    def precision(self) -> Precision:
+        if self._precision is None:
+            self._precision = NeuronPrecision()
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        self._precision = precision
+
+    def module_to_device(self, module: Module) -> None:
+        """Move to the device keeping tied weights tied, and remember which device Parameter replaced which host one
+        (on XLA moving creates new Parameters, which optimizers built on the host do not know)."""
+        before = dict(module.named_parameters())
+        self._move_keeping_ties(module)
+        after = dict(module.named_parameters())
+        self._moved.update({parameter: after[name] for name, parameter in before.items() if after[name] is not parameter})
+
+    def setup_module(self, module: Module) -> Module:
+        """Seed the device's random generator from `fabric.seed_everything` (dropout, stochastic rounding)."""
+        if not self._device_seeded:
+            self._seed_device()
+            self._device_seeded = True
+        return super().setup_module(module)  # type: ignore[misc]
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Point an optimizer built on the host parameters to the device ones (Fabric does this for its XLA strategy
+        only)."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._moved.get(parameter, parameter) for parameter in group["params"]]
+        return super().setup_optimizer(optimizer)  # type: ignore[misc]
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Batches are copied to the device in the background while the previous step runs; the graph is cut before
+        a batch when no optimizer step did since the last one (module docstring)."""
+        return self._prefetching(dataloader, before_batch=self._cut_unless_stepped)
+
+    def _cut_unless_stepped(self) -> None:
+        if not self._cut_after_step:
+            self.runtime.sync()
+        self._cut_after_step = False
+
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        """Between backward and the update; single-device strategies have nothing to reduce."""
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Reduce gradients, update, then cut the graph once so the whole step compiles as one graph."""
+        self.reduce_gradients(optimizer)
+        output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        self.runtime.sync()
+        self._cut_after_step = True
+        return output
+
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Materialise pending device work first, so the tensors copied to the host are the current ones; the file
+        holds CPU tensors only (`NeuronCheckpointIO`), as the Trainer's do."""
+        self.runtime.sync()
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
