@@ -75,8 +75,9 @@ TRAINER = _API(
     SingleDeviceNeuronStrategy, NeuronDDPStrategy, _trainer_precision,
 )
 FABRIC = _API(
-    "Fabric", "lightning_trn.fabric", _Connector, FABRIC_ACCELERATORS, FABRIC_STRATEGIES, fabric.strategies.NeuronFabricStrategyMixin,
-    fabric.SingleDeviceNeuronStrategy, fabric.NeuronDDPStrategy, _fabric_precision,
+    "Fabric", "lightning_trn.fabric", _Connector, FABRIC_ACCELERATORS, FABRIC_STRATEGIES,
+    fabric.strategies.NeuronFabricStrategyMixin, fabric.SingleDeviceNeuronStrategy, fabric.NeuronDDPStrategy,
+    _fabric_precision,
 )
 
 

@@ -134,7 +134,7 @@ def test_precision_dtypes(precision: str, parameters: torch.dtype, activations: 
     assert {p.dtype for p in model.parameters()} == {parameters}
     assert all(p.device.type == get_runtime().device_type for p in model.parameters())
     seen = {}
-    model.layer.register_forward_hook(lambda module, args, output: seen.update(input=args[0].dtype, output=output.dtype))
+    model.layer.register_forward_hook(lambda _, args, output: seen.update(input=args[0].dtype, output=output.dtype))
     x, y = torch.randn(4, 8, device=fabric.device), torch.zeros(4, 1, device=fabric.device)  # float32 batch
     loss = torch.nn.functional.mse_loss(model(x), y)  # Fabric's wrapper: the precision's input conversion, autocast
     assert seen == {"input": parameters, "output": activations}

@@ -51,7 +51,7 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         before = dict(module.named_parameters())
         self._move_keeping_ties(module)
         after = dict(module.named_parameters())
-        self._moved.update({parameter: after[name] for name, parameter in before.items() if after[name] is not parameter})
+        self._moved.update({old: after[name] for name, old in before.items() if after[name] is not old})
 
     def setup_module(self, module: Module) -> Module:
         """Seed the device's random generator from `fabric.seed_everything` (dropout, stochastic rounding)."""
