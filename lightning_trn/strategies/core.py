@@ -8,6 +8,7 @@ import os
 from collections import deque
 from typing import Any, Callable, Optional
 
+import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from torch.nn import Module
@@ -25,6 +26,9 @@ class NeuronStrategyCore:
     """Mixed into the Trainer's and Fabric's Neuron strategies, before Lightning's strategy class."""
 
     _checkpoint_io: Optional[CheckpointIO]
+    #: the name and description the strategy is registered under (the Trainer's and Fabric's registries alike)
+    strategy_name: str
+    strategy_description: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -35,6 +39,16 @@ class NeuronStrategyCore:
     def runtime(self) -> DeviceRuntime:
         """The device runtime every device call goes through."""
         return get_runtime()
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's NeuronCore: `xla:0` on XLA (each process sees only its own), natively `neuron:<local rank>`.
+        """
+        return self.runtime.device()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description)
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -89,3 +103,14 @@ class NeuronStrategyCore:
         seed = os.environ.get("PL_GLOBAL_SEED")
         if seed is not None:
             self.runtime.manual_seed(int(seed))
+
+
+class SingleDeviceCore:
+    """Mixed into the Trainer's and Fabric's single-device Neuron strategies: one process, device 0 of the runtime's
+    type (`xla:0`, or `neuron:0` natively)."""
+
+    strategy_name = "neuron_single"
+    strategy_description = "Single NeuronCore / XLA:CPU (lightning_trn)"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, device=torch.device(get_runtime().device_type, 0), **kwargs)

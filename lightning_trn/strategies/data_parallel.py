@@ -61,6 +61,7 @@ class DataParallelCore:
     """
 
     strategy_name = "neuron_ddp"
+    strategy_description = "Data-parallel over NeuronCores / XLA:CPU processes (lightning_trn)"
 
     def __init__(
         self,
@@ -77,12 +78,6 @@ class DataParallelCore:
         self._collectives: Optional[Collectives] = None
         #: gloo group for host-side objects, barriers and flags (None: the default group, already gloo)
         self._host_group: Optional[Any] = None
-
-    @property
-    def root_device(self) -> torch.device:
-        """This process's NeuronCore: `xla:0` on XLA (each process sees only its own), natively `neuron:<local rank>`.
-        """
-        return self.runtime.device()
 
     @property
     def is_distributed(self) -> bool:
@@ -158,9 +153,10 @@ class DataParallelCore:
         world_size = dist.get_world_size()
         if world_size != self.world_size:
             raise RuntimeError(
-                f"torch.distributed reports {world_size} processes but the Trainer expects {self.world_size} "
+                f"torch.distributed reports {world_size} processes but the strategy expects {self.world_size} "
                 f"(num_nodes={self.num_nodes} x devices={self.num_processes}): match torchrun's --nnodes / "
-                "--nproc_per_node (or SLURM's --nodes / --ntasks-per-node) to the Trainer's num_nodes / devices."
+                "--nproc_per_node (or SLURM's --nodes / --ntasks-per-node) to the Trainer's or Fabric's num_nodes / "
+                "devices."
             )
         check_world_size(world_size, runtime.world_size() if cross_process else 1, cross_process)
         if backend != "gloo":

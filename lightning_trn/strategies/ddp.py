@@ -82,10 +82,3 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyMixin, ParallelStrategy)
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._explain_failure(exception)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Data-parallel over NeuronCores / XLA:CPU processes (lightning_trn)"
-        )

@@ -57,10 +57,3 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyMixin, ParallelStr
         self._broadcast_module_states(module)
         self._route_metric_syncs(module)
         return module
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Data-parallel over NeuronCores / XLA:CPU processes (lightning_trn)"
-        )
