@@ -12,7 +12,7 @@ if _os.environ.get("LIGHTNING_TRN_STANDIN", "").strip().lower() in ("1", "true",
 
 from lightning_trn._registration import register
 from lightning_trn.accelerator import NeuronAccelerator
-from lightning_trn.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags
+from lightning_trn.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags, NeuronHealthCheck
 from lightning_trn.plugins import NeuronCheckpointIO, NeuronPrecision
 from lightning_trn.runtime import NeuronUnavailableError
 from lightning_trn.strategies import NeuronDDPStrategy, SingleDeviceNeuronStrategy
@@ -29,6 +29,7 @@ __all__ = [
     "NeuronCompileCache",
     "NeuronCompilerFlags",
     "NeuronDDPStrategy",
+    "NeuronHealthCheck",
     "NeuronPrecision",
     "NeuronUnavailableError",
     "SingleDeviceNeuronStrategy",

@@ -1,7 +1,8 @@
 """Every Lightning internal that lightning_trn replaces, in one list, and when it is in place.
 
 At `import lightning_trn` (`lightning_trn._registration`): four `_AcceleratorConnector` methods that choose the
-accelerator, strategy and precision. They hand every run that is not a Neuron run to Lightning's originals.
+accelerator, strategy and precision, and (`lightning_trn.throughput`) the peak-FLOPs and compute-dtype lookups of
+`ThroughputMonitor`. They hand every run, device and plugin that is not a Neuron one to Lightning's originals.
 
 For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyMixin.setup` to its `teardown`, after
 which Lightning's originals are back, so a CPU or GPU run in the same process runs Lightning's own code. Each saves

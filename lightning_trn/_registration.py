@@ -32,6 +32,7 @@ from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.plugins.precision import NeuronPrecision
 from lightning_trn.runtime import neuron_hardware_present
 from lightning_trn.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
+from lightning_trn.throughput import install_throughput_hooks
 
 _HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_fallback", "_check_and_init_precision")
 _NAME = NeuronAccelerator.name()
@@ -196,11 +197,12 @@ def _register_accelerator(registry: Any) -> None:
 
 
 def register() -> None:
-    """Register the accelerator and strategies with the Trainer's and Fabric's registries and hook their connectors
-    (idempotent)."""
+    """Register the accelerator and strategies with the Trainer's and Fabric's registries, hook their connectors and
+    `ThroughputMonitor`'s peak-FLOPs lookup (idempotent)."""
     for api in (TRAINER, FABRIC):
         _register_accelerator(api.accelerators)
         for strategy in (api.single, api.ddp):
             if strategy.strategy_name not in api.strategies:
                 strategy.register_strategies(api.strategies)
         _install_connector_hooks(api)
+    install_throughput_hooks()

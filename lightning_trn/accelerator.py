@@ -45,7 +45,8 @@ class NeuronAccelerator(Accelerator):
 
     @override
     def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
-        return get_runtime().memory_stats(torch.device(device) if not isinstance(device, torch.device) else device)
+        """Device memory and, on Neuron hosts, NeuronCore utilization (`DeviceRuntime.device_stats`)."""
+        return get_runtime().device_stats(torch.device(device) if not isinstance(device, torch.device) else device)
 
     @staticmethod
     @override

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.throughput import measure_flops
+from lightning.pytorch.callbacks import ThroughputMonitor
 
 from recipes.metrics import MaskedAccuracy
 
@@ -44,6 +47,22 @@ class ClassifierModule(pl.LightningModule):
         )
         self.log(f"{stage}_acc", metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size)
         return loss
+
+    def setup(self, stage: str) -> None:
+        """With a `ThroughputMonitor`, count the FLOPs of one training batch (forward and backward of the logits) on
+        a meta-device copy, without running the model: the monitor turns them into TFLOPS and MFU. Here, not before
+        `fit`: a backward pass (even on the meta device) before the Neuron device starts leaves autograd without a
+        worker for it."""
+        if stage != "fit" or not any(isinstance(c, ThroughputMonitor) for c in self.trainer.callbacks):
+            return
+        batch = next(iter(self.trainer.datamodule.train_dataloader()))
+        trainer, self._trainer = self._trainer, None  # not deep-copied with the module
+        try:
+            meta = copy.deepcopy(self).to("meta")
+        finally:
+            self._trainer = trainer
+        meta_batch = {key: torch.empty_like(value, device="meta") for key, value in batch.items()}
+        self.flops_per_batch = measure_flops(meta, lambda: meta.logits(meta_batch), lambda logits: logits.sum())
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")

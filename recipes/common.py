@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_trn  # noqa: F401  (registers accelerator="neuron")
+from lightning_trn import NeuronHealthCheck
 from recipes.classifier import ClassifierModule
 from recipes.data import TensorDataModule
 
@@ -33,13 +33,19 @@ class Recipe:
 
 
 def build_trainer(cfg: DictConfig) -> pl.Trainer:
-    """`Trainer(**cfg.trainer)` writing logs (`metrics.csv`) and checkpoints (`last.ckpt`) under `cfg.out_dir`."""
+    """`Trainer(**cfg.trainer)` writing logs (`metrics.csv`) and checkpoints (`last.ckpt`) under `cfg.out_dir`, with
+    the `ops.*` callbacks the config turns on."""
     out_dir = Path(cfg.out_dir)
+    callbacks: list[Callback] = [ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True)]
+    if cfg.ops.throughput:
+        callbacks.append(ThroughputMonitor(batch_size_fn=lambda batch: len(batch["y"])))
+    if cfg.ops.health_check:
+        callbacks.append(NeuronHealthCheck())
     return pl.Trainer(
         **OmegaConf.to_container(cfg.trainer, resolve=True),
         default_root_dir=out_dir,
         logger=CSVLogger(out_dir, name="logs", version=""),
-        callbacks=[ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True)],
+        callbacks=callbacks,
     )
 
 

@@ -1,15 +1,17 @@
 """Callbacks that make compilation observable and reusable: compile cache, compiler flags, compile monitor;
-and progress bars that do not sync with the device every step."""
+progress bars that do not sync with the device every step; the health check before training."""
 
 from lightning_trn.callbacks.compile_cache import NeuronCompileCache
 from lightning_trn.callbacks.compile_monitor import CompileMonitor
 from lightning_trn.callbacks.compiler_flags import NeuronCompilerFlags
+from lightning_trn.callbacks.health_check import NeuronHealthCheck
 from lightning_trn.callbacks.progress_bar import NeuronRichProgressBar, NeuronTQDMProgressBar
 
 __all__ = [
     "CompileMonitor",
     "NeuronCompileCache",
     "NeuronCompilerFlags",
+    "NeuronHealthCheck",
     "NeuronRichProgressBar",
     "NeuronTQDMProgressBar",
 ]

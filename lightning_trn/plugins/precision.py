@@ -108,6 +108,11 @@ class NeuronPrecisionCore:
         self._named_parameters: list[tuple[str, Tensor]] = []
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the matmuls run in (what throughput and MFU are measured against)."""
+        return torch.float32 if self.precision == "32-true" else torch.bfloat16
+
+    @property
     def software_optimizer_step(self) -> Optional[Bf16OptimizerStep]:
         """The fp32 optimizer step used for bf16 parameters (software rounding or master weights), if any."""
         return self._bf16_step

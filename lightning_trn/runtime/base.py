@@ -7,16 +7,19 @@ without changes to the strategies.
 
 from __future__ import annotations
 
+import functools
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_trn.runtime.collectives import Collectives
-from lightning_trn.runtime.discovery import NEURON, NeuronUnavailableError, Platform
+from lightning_trn.runtime.discovery import NEURON, NeuronUnavailableError, Platform, neuron_chip, software_versions
 from lightning_trn.runtime.environment import EnvironmentPatch
 
 
@@ -46,6 +49,14 @@ class RuntimeMetrics:
         )
 
 
+@functools.cache  # said once per process and platform
+def _say_no_device_stats(platform: str) -> None:
+    rank_zero_warn(
+        f"lightning_trn: {platform} offers no device statistics (utilization, device memory): DeviceStatsMonitor "
+        "logs none here. On a Neuron host they come from the runtime and `neuron-monitor`."
+    )
+
+
 def autograd_lacks_device_worker(err: RuntimeError) -> bool:
     """Whether `err` is autograd's assert for a device it started no worker thread for (see `check_autograd`)."""
     return "device_ready_queues_" in str(err)
@@ -58,6 +69,8 @@ class DeviceRuntime(ABC):
     name: str = ""
     #: the torch device type of this backend's devices ("xla", "neuron")
     device_type: str = ""
+    #: what this backend runs on where there are no NeuronCores (messages and reports)
+    cpu_platform: str = ""
 
     @abstractmethod
     def is_installed(self) -> bool:
@@ -73,6 +86,27 @@ class DeviceRuntime(ABC):
             return self.detect_platform().kind == NEURON
         except NeuronUnavailableError:
             return False
+
+    def chip(self) -> Optional[str]:
+        """The Trainium generation of this host's NeuronCores ("trn1", "trn2", "trn3"); None off Neuron."""
+        return neuron_chip() if self.on_neuron() else None
+
+    def describe_platform(self) -> str:
+        """What this process runs on, for reports: "NeuronCores (trn2)", "XLA:CPU", ..."""
+        return f"NeuronCores ({self.chip() or 'chip unknown'})" if self.on_neuron() else self.cpu_platform
+
+    def core_label(self, device: torch.device) -> str:
+        """Which core `device` is, for messages naming a failing rank: the NeuronCore the launcher gave this process
+        (`NEURON_RT_VISIBLE_CORES`), else the device and platform."""
+        visible = os.environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
+        if visible and self.on_neuron():
+            return f"NeuronCore {visible} ({device})"
+        return f"{device} on {self.describe_platform()}"
+
+    def versions(self) -> dict[str, str]:
+        """The installed stack's versions: packages (torch, torch-xla / torch-neuronx, neuronx-cc, ...), driver and
+        runtime library."""
+        return software_versions()
 
     @abstractmethod
     def device(self) -> torch.device:
@@ -90,6 +124,26 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         """Device memory figures the runtime offers (empty if it offers none)."""
+
+    def device_stats(self, device: torch.device) -> dict[str, Any]:
+        """What `DeviceStatsMonitor` logs: the runtime's memory figures and, on a Neuron host with `neuron-monitor`
+        installed, NeuronCore utilization and device memory from its stream. Says once when there are none."""
+        stats = self.memory_stats(device)
+        if self.on_neuron():
+            from lightning_trn.runtime.monitor import neuron_monitor_stats
+
+            stats.update(neuron_monitor_stats())
+        if not stats:
+            _say_no_device_stats(self.describe_platform())
+        return stats
+
+    def start_trace(self, log_dir: str) -> bool:
+        """Start recording a profiler trace of this process's device work into `log_dir` (TensorBoard's profile
+        layout); False where the backend records through `torch.profiler` instead."""
+        return False
+
+    def stop_trace(self) -> None:
+        """Stop the trace `start_trace` started and write it."""
 
     @abstractmethod
     def metrics(self) -> RuntimeMetrics:

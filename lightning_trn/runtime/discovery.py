@@ -7,6 +7,7 @@ launching process before worker processes claim NeuronCores.
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -28,6 +29,15 @@ LNC_DEVICE_CORES = 8
 
 NEURON = "NEURON"
 CPU = "CPU"
+
+#: the first device's chip name (Neuron driver sysfs: "Trainium1", "Trainium2", "Trainium3", "Inferentia2")
+CHIP_NAME_FILE = os.path.join(NEURON_SYSFS_ROOT, "neuron0", "info", "architecture", "device_name")
+#: the loaded Neuron driver's version (the kernel's module sysfs)
+DRIVER_VERSION_FILE = "/sys/module/neuron/version"
+#: the Neuron runtime library (`aws-neuronx-runtime-lib`)
+RUNTIME_LIBRARY = "/opt/aws/neuron/lib/libnrt.so.1"
+#: Python packages whose versions a health check reports, when installed
+VERSIONED_PACKAGES = ("torch", "torch-xla", "torch-neuronx", "libneuronxla", "neuronx-cc", "lightning", "lightning-trn")
 
 
 class NeuronUnavailableError(RuntimeError):
@@ -151,3 +161,32 @@ def detect_platform(env: Optional[dict[str, str]] = None) -> Platform:
         "(is this a trn1/trn2/inf2 instance with the Neuron driver loaded?). To run the same code on this machine's "
         "CPU through XLA, set the environment variable PJRT_DEVICE=CPU (e.g. `PJRT_DEVICE=CPU python train.py`)."
     )
+
+
+def neuron_chip() -> Optional[str]:
+    """This host's Trainium generation ("trn1", "trn2", "trn3") from the driver's sysfs; None when there is none."""
+    try:
+        with open(CHIP_NAME_FILE) as f:
+            name = f.read().strip().lower()
+    except OSError:
+        return None
+    match = re.fullmatch(r"trainium(\d+)", name)
+    return f"trn{match.group(1)}" if match else None
+
+
+def software_versions() -> dict[str, str]:
+    """Versions of the installed Neuron and PyTorch pieces: Python packages, the driver and the runtime library."""
+    versions = {}
+    for package in VERSIONED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    try:
+        with open(DRIVER_VERSION_FILE) as f:
+            versions["neuron driver"] = f.read().strip()
+    except OSError:
+        versions["neuron driver"] = "not loaded"
+    library = os.path.realpath(RUNTIME_LIBRARY)
+    versions["neuron runtime"] = os.path.basename(library) if os.path.exists(library) else "not installed"
+    return versions

@@ -32,6 +32,7 @@ class NativeRuntime(DeviceRuntime):
 
     name = "native"
     device_type = "neuron"
+    cpu_platform = "the CPU stand-in"
 
     def __init__(self) -> None:
         self._platform: Optional[Platform] = None

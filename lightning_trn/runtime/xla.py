@@ -75,6 +75,7 @@ class XlaRuntime(DeviceRuntime):
 
     name = "xla"
     device_type = "xla"
+    cpu_platform = "XLA:CPU"
 
     def __init__(self) -> None:
         self._platform: Optional[Platform] = None
@@ -123,6 +124,15 @@ class XlaRuntime(DeviceRuntime):
             return dict(xm.get_memory_info(device))
         except RuntimeError:  # XLA:CPU: "GetAllocatorStats is not supported"
             return {}
+
+    def start_trace(self, log_dir: str) -> bool:
+        """torch_xla's profiler session (`xp.start_trace`): host and device activity, written by `stop_trace` as
+        TensorBoard's `plugins/profile/<run>/<host>.xplane.pb` (and `.trace.json.gz`)."""
+        _import("torch_xla.debug.profiler").start_trace(log_dir)
+        return True
+
+    def stop_trace(self) -> None:
+        _import("torch_xla.debug.profiler").stop_trace()
 
     def metrics(self) -> RuntimeMetrics:
         met = _import("torch_xla.debug.metrics")

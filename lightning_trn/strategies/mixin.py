@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.profilers import XLAProfiler
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -60,6 +62,8 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         self._cut_after_step = False
         #: this strategy's run holds the hooks into Lightning's internals (`lightning_trn._lightning_hooks`)
         self._holds_lightning_hooks = False
+        #: where the runtime records the `XLAProfiler` trace of the current run (None: no trace running)
+        self._trace_dir: Optional[str] = None
 
     @property
     def precision_plugin(self) -> Precision:
@@ -169,6 +173,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         self._use_host_sync_free_progress_bar(trainer)
         self._evaluate_under_no_grad(trainer)
         install_run_shortcuts(trainer)
+        self._start_profiler_trace(trainer)
         self._batch_transfer_is_default = not any(
             is_overridden(hook, instance)
             for instance in (trainer.lightning_module, trainer.datamodule)
@@ -191,9 +196,28 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             super().teardown()  # type: ignore[misc]
             set_shared_parameters(module, shared)
         finally:
+            if self._trace_dir is not None:
+                self._trace_dir = None
+                self.runtime.stop_trace()
             if self._holds_lightning_hooks:
                 self._holds_lightning_hooks = False
                 _lightning_hooks.release()
+
+    def _start_profiler_trace(self, trainer: pl.Trainer) -> None:
+        """With `Trainer(profiler="xla")` Lightning only starts torch_xla's profiler server, for a capture from
+        TensorBoard. Record the run as well: the trace is written at teardown, TensorBoard's profile layout, under
+        the profiler's `dirpath`, else the Trainer's log dir (`<dir>/xla_trace[/rank<N>]/plugins/profile/<run>/`)."""
+        profiler = trainer.profiler
+        if not isinstance(profiler, XLAProfiler) or self._trace_dir is not None:
+            return
+        root = profiler.dirpath or trainer.log_dir or trainer.default_root_dir
+        trace_dir = os.path.join(str(root), "xla_trace")
+        if trainer.world_size > 1:  # each rank writes `<host>.xplane.pb`: ranks on one host would overwrite
+            trace_dir = os.path.join(trace_dir, f"rank{trainer.global_rank}")
+        if self.runtime.start_trace(trace_dir):
+            self._trace_dir = trace_dir
+            rank_zero_info(f"lightning_trn: recording an XLA profiler trace of this run into {trace_dir} (TensorBoard's "
+                           "profile plugin reads it).")
 
     @staticmethod
     def _evaluate_under_no_grad(trainer: pl.Trainer) -> None:

@@ -1,0 +1,33 @@
+"""`NeuronHealthCheck`: the health check of `python -m lightning_trn.healthcheck`, run by the Trainer before training."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.callbacks import Callback
+
+from lightning_trn.healthcheck import DEFAULT_SIZE_MB, DEFAULT_TIMEOUT_S, HealthReport, run_health_check
+
+
+class NeuronHealthCheck(Callback):
+    """Before the first step of `fit` (and of the sanity check), check every rank's NeuronCore and the collectives
+    between all ranks; on a failure every rank raises `HealthCheckError` naming the rank, host and core, and the job
+    stops before training. The report is logged on rank 0 and kept in `report`.
+
+    Args:
+        timeout: seconds a rank waits for the others at each phase before naming the ones that did not answer.
+        size_mb: MiB moved by the host<->device copy and each timed all-reduce.
+    """
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT_S, size_mb: int = DEFAULT_SIZE_MB) -> None:
+        self.timeout = timeout
+        self.size_mb = size_mb
+        self.report: Optional[HealthReport] = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not hasattr(trainer.strategy, "runtime"):
+            raise ValueError("NeuronHealthCheck checks NeuronCores: use it with `Trainer(accelerator='neuron')`.")
+        self.report = run_health_check(trainer.strategy, timeout=self.timeout, size_mb=self.size_mb)
+        rank_zero_info(self.report.summary())

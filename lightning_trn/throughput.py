@@ -1,0 +1,122 @@
+"""Throughput and MFU on NeuronCores through Lightning's own `ThroughputMonitor` (Trainer and Fabric).
+
+Lightning's `get_available_flops` knows CUDA GPUs and TPUs only (for an `xla` device it asks the TPU metadata
+server), and `_plugin_to_compute_dtype` reads any precision plugin it does not know as float32. At
+`import lightning_trn` both are wrapped, version-guarded, in `lightning.fabric.utilities.throughput` and in the
+Trainer's callback module: a NeuronCore device gets its dense peak from `PEAK_FLOPS` below and a Neuron precision
+plugin its compute dtype; every other device and plugin goes to Lightning's originals unchanged. Measuring adds no
+host sync: `ThroughputMonitor` reads the host clock and the batch's shape, never a device value.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_trn._lightning_hooks import lightning_version_tested
+from lightning_trn.runtime import NeuronUnavailableError, get_runtime
+from lightning_trn.runtime.discovery import DEFAULT_LNC, LNC_ENV
+
+#: `LIGHTNING_TRN_CHIP=trn1|trn2|trn3`: the chip whose peak MFU is measured against where it cannot be read from the
+#: host (a container without the Neuron sysfs), or, on XLA:CPU / the stand-in, to compare with a chip's peak
+CHIP_ENV = "LIGHTNING_TRN_CHIP"
+
+#: Dense peak FLOP/s of one *physical* NeuronCore by chip and compute dtype, from AWS's Neuron architecture pages
+#: (docs/operations.md quotes them): NeuronCore-v2 (Trn1) 190 BF16 / 47.5 FP32 TFLOPS per 2-core chip;
+#: NeuronCore-v3 (Trn2) 79 BF16 TFLOPS per core (the chip's 181 FP32 / 8 cores); NeuronCore-v4 (Trn3) 79 BF16 and
+#: 20 FP32 TFLOPS per core. A logical core (Trn2/Trn3, `NEURON_LOGICAL_NC_CONFIG`, default 2) is that many cores.
+PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "trn1": {torch.bfloat16: 95e12, torch.float16: 95e12, torch.float32: 23.75e12},
+    "trn2": {torch.bfloat16: 79e12, torch.float16: 79e12, torch.float32: 181e12 / 8},
+    "trn3": {torch.bfloat16: 79e12, torch.float16: 79e12, torch.float32: 20e12},
+}
+
+
+def peak_flops(chip: str, dtype: torch.dtype, cores_per_device: int = 1) -> Optional[float]:
+    """Dense peak FLOP/s of one device (one process) on `chip` in `dtype`; `cores_per_device`: physical
+    NeuronCores per logical core. None for a dtype the table lacks."""
+    if chip not in PEAK_FLOPS:
+        raise ValueError(f"Unknown Neuron chip {chip!r}: expected one of {', '.join(PEAK_FLOPS)}.")
+    per_core = PEAK_FLOPS[chip].get(dtype)
+    return None if per_core is None else per_core * cores_per_device
+
+
+@functools.cache  # said once per process
+def _say_no_peak(platform: str) -> None:
+    rank_zero_warn(
+        f"lightning_trn: no peak FLOP/s for {platform}, so ThroughputMonitor reports throughput without MFU. On a "
+        f"Neuron host the chip is read from the driver's sysfs; set {CHIP_ENV}=trn1|trn2|trn3 to measure against a "
+        "chip's peak anyway."
+    )
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
+    """Peak FLOP/s of this process's NeuronCore in `dtype`, or None (said once) where the chip is unknown."""
+    runtime = get_runtime()
+    chip = os.environ.get(CHIP_ENV, "").strip().lower() or runtime.chip()
+    if not chip:
+        _say_no_peak(runtime.describe_platform())
+        return None
+    cores = 1 if chip == "trn1" else int(os.environ.get(LNC_ENV, "").strip() or DEFAULT_LNC)
+    return peak_flops(chip, dtype, cores)
+
+
+def _is_neuron_device(device: torch.device) -> bool:
+    """Whether `device` is lightning_trn's: the runtime's device type on a platform lightning_trn runs on."""
+    try:
+        runtime = get_runtime()
+        return device.type == runtime.device_type and runtime.is_installed() and bool(runtime.detect_platform())
+    except (NeuronUnavailableError, ValueError):
+        return False
+
+
+def _available_flops(original: Callable[..., Optional[int]]) -> Callable[..., Optional[int]]:
+    @functools.wraps(original)
+    def get_available_flops(device: torch.device, dtype: Union[torch.dtype, str]) -> Optional[int]:
+        if not _is_neuron_device(device):
+            return original(device, dtype)
+        peak = device_peak_flops(device, dtype) if isinstance(dtype, torch.dtype) else None
+        return None if peak is None else int(peak)
+
+    return get_available_flops
+
+
+def _compute_dtype(original: Callable[[Any], torch.dtype]) -> Callable[[Any], torch.dtype]:
+    from lightning_trn.plugins.precision import NeuronPrecisionCore
+
+    @functools.wraps(original)
+    def plugin_to_compute_dtype(plugin: Any) -> torch.dtype:
+        if isinstance(plugin, NeuronPrecisionCore):
+            return plugin.compute_dtype
+        return original(plugin)
+
+    return plugin_to_compute_dtype
+
+
+#: (module, attribute, wrapper): the functions `ThroughputMonitor` calls, in Fabric's and the Trainer's modules
+_WRAPPED = (
+    ("lightning.fabric.utilities.throughput", "get_available_flops", _available_flops),
+    ("lightning.fabric.utilities.throughput", "_plugin_to_compute_dtype", _compute_dtype),
+    ("lightning.pytorch.callbacks.throughput_monitor", "get_available_flops", _available_flops),
+    ("lightning.pytorch.callbacks.throughput_monitor", "_plugin_to_compute_dtype", _compute_dtype),
+)
+
+
+def install_throughput_hooks() -> None:
+    """Wrap the functions in `_WRAPPED` (once; skipped where the Lightning version is untested or lacks one)."""
+    import importlib
+
+    if not lightning_version_tested():
+        return
+    for module_name, name, wrapper in _WRAPPED:
+        module = importlib.import_module(module_name)
+        original = getattr(module, name, None)
+        if original is None or getattr(original, "_lightning_trn", False):
+            continue
+        wrapped = wrapper(original)
+        wrapped._lightning_trn = True  # type: ignore[attr-defined]
+        setattr(module, name, wrapped)

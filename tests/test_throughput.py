@@ -1,0 +1,123 @@
+"""Throughput and MFU (issue 18): Lightning's `ThroughputMonitor` on a Neuron run gets the NeuronCore's dense peak for
+the precision's compute dtype, adds no device read, and CPU runs keep Lightning's own answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric.utilities import throughput as fabric_throughput
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.pytorch.callbacks import throughput_monitor
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+import lightning_trn  # noqa: F401  registers accelerator="neuron" and the throughput hooks
+from lightning_trn.runtime import discovery, get_runtime
+from lightning_trn.throughput import CHIP_ENV, PEAK_FLOPS, peak_flops
+from models import RegressionModel, regression_loader
+
+STEPS = 8
+WINDOW = 3
+#: FLOPs one step of the model below claims (any fixed figure: MFU is flops/s over the peak)
+FLOPS_PER_BATCH = 10**9
+
+
+def test_peaks_per_device_count_logical_cores(monkeypatch: pytest.MonkeyPatch):
+    assert peak_flops("trn1", torch.bfloat16) == 95e12 and peak_flops("trn1", torch.float32) == 23.75e12
+    assert peak_flops("trn2", torch.bfloat16, cores_per_device=2) == 158e12
+    assert peak_flops("trn3", torch.float32) == 20e12
+    assert peak_flops("trn2", torch.float64) is None
+    with pytest.raises(ValueError, match="Unknown Neuron chip 'trn9'"):
+        peak_flops("trn9", torch.bfloat16)
+
+
+@pytest.mark.parametrize(("name", "chip"), [("Trainium1", "trn1"), ("Trainium2", "trn2"), ("Trainium3", "trn3"),
+                                            ("Inferentia2", None)])
+def test_chip_is_read_from_the_driver_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name, chip):
+    path = tmp_path / "device_name"
+    path.write_text(f"{name}\n")
+    monkeypatch.setattr(discovery, "CHIP_NAME_FILE", str(path))
+    assert discovery.neuron_chip() == chip
+
+
+def test_other_devices_and_plugins_get_lightnings_answers():
+    for module in (fabric_throughput, throughput_monitor):
+        for name in ("get_available_flops", "_plugin_to_compute_dtype"):
+            assert getattr(module, name).__wrapped__ is not getattr(module, name)
+    original = throughput_monitor.get_available_flops.__wrapped__
+    assert throughput_monitor.get_available_flops(torch.device("cpu"), torch.float32) == original(
+        torch.device("cpu"), torch.float32)
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert throughput_monitor._plugin_to_compute_dtype(plugin) is torch.bfloat16
+
+
+class Flops(RegressionModel):
+    flops_per_batch = FLOPS_PER_BATCH
+
+
+class Recorder(Logger):
+    """Keeps every logged row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict] = []
+
+    name = "recorder"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append(dict(metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+class Transfers(Callback):
+    """Device reads from the end of the first step to the end of the last (the monitor reads the host clock only)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        reads = get_runtime().metrics()
+        reads = reads.device_to_host + reads.scalar_reads
+        if batch_idx == 0:
+            self.start = reads
+        self.total = reads - self.start
+
+
+def _fit(tmp_path: Path, precision: str, monitor: bool) -> tuple[Recorder, Transfers]:
+    logger, transfers = Recorder(), Transfers()
+    callbacks = [transfers] + ([ThroughputMonitor(batch_size_fn=lambda b: len(b[0]), window_size=WINDOW)]
+                               if monitor else [])
+    trainer = Trainer(accelerator="neuron", devices=1, precision=precision, max_steps=STEPS, log_every_n_steps=1,
+                      logger=logger, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+                      default_root_dir=tmp_path)
+    trainer.fit(Flops(), regression_loader(n=16 * STEPS))
+    return logger, transfers
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16)])
+def test_mfu_against_the_chips_peak_without_device_reads(tmp_path, monkeypatch, precision, dtype):
+    monkeypatch.setenv(CHIP_ENV, "trn1")
+    logger, transfers = _fit(tmp_path, precision, monitor=True)
+    rows = [row for row in logger.rows if "train/device/mfu" in row]
+    assert len(rows) == STEPS - WINDOW + 1
+    for row in rows:
+        assert row["train/device/flops_per_sec"] == pytest.approx(
+            FLOPS_PER_BATCH * row["train/device/batches_per_sec"])
+        assert row["train/device/mfu"] == pytest.approx(row["train/device/flops_per_sec"] / PEAK_FLOPS["trn1"][dtype])
+    _, unmonitored = _fit(tmp_path / "plain", precision, monitor=False)
+    assert transfers.total == unmonitored.total
+
+
+def test_no_peak_on_xla_cpu_or_the_standin_is_said_once(tmp_path, monkeypatch):
+    monkeypatch.delenv(CHIP_ENV, raising=False)
+    from lightning_trn import throughput
+
+    throughput._say_no_peak.cache_clear()
+    with pytest.warns(UserWarning, match=f"no peak FLOP/s for {get_runtime().cpu_platform}") as warned:
+        logger, _ = _fit(tmp_path, "32-true", monitor=True)
+    assert sum("no peak FLOP/s" in str(w.message) for w in warned) == 1
+    assert not any("train/device/mfu" in row for row in logger.rows)
+    assert any("train/device/samples_per_sec" in row for row in logger.rows)
