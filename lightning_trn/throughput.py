@@ -19,7 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_trn._lightning_hooks import lightning_version_tested
 from lightning_trn.runtime import NeuronUnavailableError, get_runtime
-from lightning_trn.runtime.discovery import DEFAULT_LNC, LNC_ENV
+from lightning_trn.runtime.discovery import LNC_DEVICE_CORES, logical_core_config
 
 #: `LIGHTNING_TRN_CHIP=trn1|trn2|trn3`: the chip whose peak MFU is measured against where it cannot be read from the
 #: host (a container without the Neuron sysfs), or, on XLA:CPU / the stand-in, to compare with a chip's peak
@@ -54,19 +54,23 @@ def _say_no_peak(platform: str) -> None:
     )
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
+def device_peak_flops(dtype: torch.dtype) -> Optional[float]:
     """Peak FLOP/s of this process's NeuronCore in `dtype`, or None (said once) where the chip is unknown."""
     runtime = get_runtime()
     chip = os.environ.get(CHIP_ENV, "").strip().lower() or runtime.chip()
     if not chip:
         _say_no_peak(runtime.describe_platform())
         return None
-    cores = 1 if chip == "trn1" else int(os.environ.get(LNC_ENV, "").strip() or DEFAULT_LNC)
+    # Trn2/Trn3: the validated NEURON_LOGICAL_NC_CONFIG, else the runtime's default (2) for 8-core devices
+    cores = 1 if chip == "trn1" else logical_core_config(counts=[LNC_DEVICE_CORES])
     return peak_flops(chip, dtype, cores)
 
 
 def _is_neuron_device(device: torch.device) -> bool:
-    """Whether `device` is lightning_trn's: the runtime's device type on a platform lightning_trn runs on."""
+    """Whether `device` is lightning_trn's: the runtime's device type on a platform lightning_trn runs on. Other
+    device types are answered without choosing a backend."""
+    if device.type not in ("xla", "neuron"):
+        return False
     try:
         runtime = get_runtime()
         return device.type == runtime.device_type and runtime.is_installed() and bool(runtime.detect_platform())
@@ -79,7 +83,7 @@ def _available_flops(original: Callable[..., Optional[int]]) -> Callable[..., Op
     def get_available_flops(device: torch.device, dtype: Union[torch.dtype, str]) -> Optional[int]:
         if not _is_neuron_device(device):
             return original(device, dtype)
-        peak = device_peak_flops(device, dtype) if isinstance(dtype, torch.dtype) else None
+        peak = device_peak_flops(dtype) if isinstance(dtype, torch.dtype) else None
         return None if peak is None else int(peak)
 
     return get_available_flops

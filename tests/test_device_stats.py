@@ -1,5 +1,5 @@
-"""Device stats (issue 18): `DeviceStatsMonitor` on a Neuron run logs the runtime's memory figures and, on a Neuron host,
-`neuron-monitor`'s NeuronCore utilization and device memory (here a fake `neuron-monitor` on PATH, the process
+"""Device stats (issue 18): `DeviceStatsMonitor` on a Neuron run logs the runtime's memory figures and, on a Neuron
+host, `neuron-monitor`'s NeuronCore utilization and device memory (here a fake `neuron-monitor` on PATH, the process
 boundary); where the platform offers none (XLA:CPU) it says so once."""
 
 from __future__ import annotations
@@ -84,10 +84,6 @@ def test_neuron_host_stats_come_from_neuron_monitor(fake_neuron_monitor: Path, m
     assert config == monitor.MONITOR_CONFIG
 
 
-class Logged(RegressionModel):
-    pass
-
-
 @pytest.mark.xla_only
 def test_xla_cpu_says_once_that_it_has_no_device_stats(tmp_path: Path):
     base._say_no_device_stats.cache_clear()
@@ -95,6 +91,6 @@ def test_xla_cpu_says_once_that_it_has_no_device_stats(tmp_path: Path):
                       callbacks=[DeviceStatsMonitor()], enable_checkpointing=False, enable_progress_bar=False,
                       default_root_dir=tmp_path)
     with pytest.warns(UserWarning, match="XLA:CPU offers no device statistics") as warned:
-        trainer.fit(Logged(), regression_loader(n=96))
+        trainer.fit(RegressionModel(), regression_loader(n=96))
     assert sum("offers no device statistics" in str(w.message) for w in warned) == 1
     assert trainer.global_step == 6

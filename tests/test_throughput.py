@@ -43,15 +43,24 @@ def test_chip_is_read_from_the_driver_sysfs(tmp_path: Path, monkeypatch: pytest.
     assert discovery.neuron_chip() == chip
 
 
-def test_other_devices_and_plugins_get_lightnings_answers():
+def test_other_devices_and_plugins_get_lightnings_answers(monkeypatch: pytest.MonkeyPatch):
+    """The wrappers hand other devices and plugins to the function they wrap, untouched, without choosing a backend."""
+    from lightning_trn.throughput import _available_flops, _compute_dtype
+
     for module in (fabric_throughput, throughput_monitor):
         for name in ("get_available_flops", "_plugin_to_compute_dtype"):
             assert getattr(module, name).__wrapped__ is not getattr(module, name)
-    original = throughput_monitor.get_available_flops.__wrapped__
-    assert throughput_monitor.get_available_flops(torch.device("cpu"), torch.float32) == original(
-        torch.device("cpu"), torch.float32)
+    asked = []
+    available_flops = _available_flops(lambda device, dtype: asked.append((device, dtype)) or 123)
+    compute_dtype = _compute_dtype(lambda plugin: asked.append(plugin) or torch.int8)
+    get_runtime.cache_clear()
+    for device in (torch.device("cpu"), torch.device("cuda", 1), torch.device("mps")):
+        assert available_flops(device, torch.bfloat16) == 123
     plugin = MixedPrecision("bf16-mixed", "cpu")
-    assert throughput_monitor._plugin_to_compute_dtype(plugin) is torch.bfloat16
+    assert compute_dtype(plugin) is torch.int8
+    assert asked == [(torch.device("cpu"), torch.bfloat16), (torch.device("cuda", 1), torch.bfloat16),
+                     (torch.device("mps"), torch.bfloat16), plugin]
+    assert get_runtime.cache_info().currsize == 0  # no backend was chosen for them
 
 
 class Flops(RegressionModel):

@@ -12,6 +12,7 @@ Runs the same checks on NeuronCores, XLA:CPU and the native stand-in (there the 
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import json
 import os
@@ -19,10 +20,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ class RankReport:
     ok: bool = True
     failures: list[str] = field(default_factory=list)
     figures: dict[str, float] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
 
     def where(self) -> str:
         return f"rank {self.rank} (host {self.host}, {self.core})"
@@ -63,7 +65,8 @@ class RankReport:
 
 @dataclass
 class HealthReport:
-    """The whole job's health: every rank's report, the runtime's versions, and the collective figures."""
+    """The whole job's health: every rank's report, the versions (the same on every rank, checked), and this rank's
+    collective figures."""
 
     world_size: int
     versions: dict[str, str]
@@ -85,71 +88,102 @@ class HealthReport:
 
 
 class _Board:
-    """Where the ranks post their results: the process group's key-value store (None: a single process)."""
+    """Where the ranks post their results: the process group's key-value store (None: a single process), served by
+    rank 0 or the launcher (torchrun's agent), over host TCP."""
 
     def __init__(self, world_size: int, rank: int, run: int) -> None:
         self.world_size, self.rank = world_size, rank
+        self.hello: dict[int, RankReport] = {}
         self._store = None
         if world_size > 1:
             from torch.distributed.distributed_c10d import _get_default_store
 
             self._store = dist.PrefixStore(f"lightning_trn/healthcheck/{run}/", _get_default_store())
 
+    def _keys(self, phase: str, ranks: Iterable[int]) -> list[str]:
+        return [f"{phase}/{r}" for r in ranks]
+
+    def name(self, ranks: Iterable[int]) -> str:
+        return "; ".join(self.hello[r].where() if r in self.hello else f"rank {r}" for r in ranks)
+
     def post(self, phase: str, value: Any) -> None:
         if self._store is not None:
-            self._store.set(f"{phase}/{self.rank}", json.dumps(value))
+            with self._store_errors(phase):
+                self._store.set(f"{phase}/{self.rank}", json.dumps(value))
 
     def missing(self, phase: str) -> list[int]:
-        if self._store is None:
+        """Ranks that have not posted `phase` (one store round trip when all have)."""
+        if self._store is None or self._store.check(self._keys(phase, range(self.world_size))):
             return []
-        return [r for r in range(self.world_size) if not self._store.check([f"{phase}/{r}"])]
+        return [r for r in range(self.world_size) if not self._store.check(self._keys(phase, [r]))]
 
-    def collect(self, phase: str, timeout: float, hello: dict[int, RankReport], what: str) -> list[Any]:
+    @contextmanager
+    def _store_errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except HealthCheckError:
+            raise
+        except RuntimeError as err:  # torch's DistNetworkError / DistStoreError
+            raise HealthCheckError(
+                f"lightning_trn health check: rank {self.rank} lost the connection to the job's key-value store "
+                f"during {what}: its server (rank 0, or the launcher's agent) exited or its host is unreachable "
+                f"({err})."
+            ) from err
+
+    def collect(self, phase: str, timeout: float, what: str) -> list[Any]:
         """Every rank's post for `phase`; raises naming the ranks that did not post within `timeout` seconds."""
         if self._store is None:
             return []
         deadline = time.monotonic() + timeout
-        try:
-            while (missing := self.missing(phase)) and time.monotonic() < deadline:
+        everyone = self._keys(phase, range(self.world_size))
+        with self._store_errors(what):
+            while not self._store.check(everyone):
+                if time.monotonic() >= deadline:
+                    raise HealthCheckError(
+                        f"lightning_trn health check: {self.name(self.missing(phase))} did not finish {what} within "
+                        f"{timeout:g} s, while the other ranks of the {self.world_size} did. That process is hung or "
+                        "has died: check its host's Neuron devices (`neuron-ls`, `neuron-top`), the driver's kernel "
+                        "log (`dmesg | grep -i neuron`), and the network between the hosts, then restart the job "
+                        "without that node."
+                    )
                 time.sleep(_POLL_S)
-            posts = [] if missing else [json.loads(self._store.get(f"{phase}/{r}")) for r in range(self.world_size)]
-        except RuntimeError as err:  # torch's DistNetworkError
-            raise HealthCheckError(
-                f"lightning_trn health check: rank {self.rank} lost the connection to the job's key-value store "
-                f"during {what}: {hello[0].where() if 0 in hello else 'rank 0'}, which serves it, exited or its host "
-                f"is unreachable ({err})."
-            ) from err
-        if missing:
-            names = "; ".join(hello[r].where() if r in hello else f"rank {r}" for r in missing)
-            raise HealthCheckError(
-                f"lightning_trn health check: {names} did not finish {what} within {timeout:g} s, while the other "
-                f"ranks of the {self.world_size} did. That process is hung or has died: check its host's Neuron "
-                "devices (`neuron-ls`, `neuron-top`), the driver's kernel log (`dmesg | grep -i neuron`), and the "
-                "network between the hosts, then restart the job without that node."
-            )
-        return posts
+            return [json.loads(value) for value in self._store.multi_get(everyone)]
 
 
 @contextmanager
-def _watchdog(seconds: float, what: str, where: str) -> Iterator[None]:
+def _watchdog(seconds: float, what: str, board: _Board, phase: str) -> Iterator[None]:
     """End this process (exit code `EXIT_HUNG`) if the block has not returned after `seconds`: a device call that
-    hangs cannot be interrupted, and a health check must never hang the job."""
+    hangs cannot be interrupted, and a health check must never hang the job. Before the block every rank posts
+    `<phase>-start`; the message names the ranks that never started (a peer that died leaves the others blocked in
+    the collective) or, if all did, this rank. `faulthandler` ends the process 10 s later should the stuck call hold
+    the GIL, which the timer's thread needs."""
+    where = board.hello[board.rank].where() if board.rank in board.hello else f"rank {board.rank}"
 
     def fire() -> None:
-        sys.stderr.write(
-            f"lightning_trn health check: {where} is stuck in {what} after {seconds:g} s; ending this process (exit "
-            f"code {EXIT_HUNG}). The device or its runtime is not answering: check `neuron-ls` / `neuron-top` and "
-            "the kernel log on this host.\n"
-        )
+        try:
+            absent = board.missing(f"{phase}-start")
+        except RuntimeError:  # the store is gone too
+            absent = []
+        blame = (f"{board.name(absent)} never started it, so the others wait for them" if absent else
+                 f"{where} is stuck in it; the device or its runtime is not answering: check `neuron-ls` / "
+                 "`neuron-top` and the kernel log on this host")
+        sys.stderr.write(f"lightning_trn health check: {what} did not finish within {seconds:g} s on {where}: "
+                         f"{blame}. Ending this process (exit code {EXIT_HUNG}).\n")
         sys.stderr.flush()
         os._exit(EXIT_HUNG)
 
+    board.post(f"{phase}-start", True)
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
     try:
+        faulthandler.dump_traceback_later(seconds + 10, exit=True)
+    except (ValueError, RuntimeError, AttributeError, OSError):  # no usable stderr file descriptor: timer only
+        pass
+    try:
         yield
     finally:
+        faulthandler.cancel_dump_traceback_later()
         timer.cancel()
 
 
@@ -197,12 +231,12 @@ def _collectives(report: RankReport, strategy: Any, size_mb: int, iters: int) ->
                  f"all-reduce (sum of rank+1): got {total.tolist()}, expected {expected_sum} everywhere")
 
     payload = torch.ones(size_mb * 2**18, dtype=torch.float32, device=device)
-    strategy.all_reduce(payload, reduce_op="sum")
-    runtime.sync(wait=True)  # warm-up: compiles on XLA
+    reduced = strategy.all_reduce(payload, reduce_op="sum")
+    runtime.sync(wait=True)  # warm-up: compiles on XLA; each timed all-reduce below runs that graph once
     start = time.perf_counter()
     for _ in range(iters):
         reduced = strategy.all_reduce(payload, reduce_op="sum")
-    runtime.sync(wait=True)
+        runtime.sync(wait=True)
     seconds = (time.perf_counter() - start) / iters
     low, high = float(reduced.min().cpu()), float(reduced.max().cpu())
     report.check(low == high == world, f"all-reduce of {size_mb} MiB: values from {low} to {high}, expected {world}")
@@ -221,33 +255,72 @@ def _fail(reports: Sequence[RankReport], what: str) -> None:
         )
 
 
+def check_arguments(timeout: float, size_mb: int, iters: int = 1) -> None:
+    """Raise `ValueError` unless timeout > 0, size_mb >= 1 and iters >= 1."""
+    if timeout <= 0 or size_mb < 1 or iters < 1:
+        raise ValueError(f"The health check needs timeout > 0, size_mb >= 1 and iters >= 1; got timeout={timeout}, "
+                         f"size_mb={size_mb}, iters={iters}.")
+
+
+def _guarded(report: RankReport, what: str, check: Callable[[], Any]) -> Any:
+    """`check()`; an exception it raises fails this rank's report (so the others learn it) instead of this process."""
+    try:
+        return check()
+    except Exception as err:  # noqa: BLE001  (any device or runtime error is a failed check here)
+        report.check(False, f"{what} raised {type(err).__name__}: {err}")
+        return {}
+
+
+def _check_versions(reports: Sequence[RankReport]) -> None:
+    first = reports[0].versions
+    differing = [(r, sorted(k for k in set(first) | set(r.versions) if first.get(k) != r.versions.get(k)))
+                 for r in reports[1:]]
+    differing = [(r, keys) for r, keys in differing if keys]
+    if differing:
+        details = "; ".join(f"{r.where()}: " + ", ".join(f"{k} {r.versions.get(k)} (rank {reports[0].rank}: "
+                                                          f"{first.get(k)})" for k in keys) for r, keys in differing)
+        raise HealthCheckError(
+            f"lightning_trn health check: the ranks run different software: {details}. Mixed driver, runtime, "
+            "compiler or torch versions give wrong results or hangs: install the same Neuron SDK release on every node."
+        )
+
+
 def run_health_check(
     strategy: Any, timeout: float = DEFAULT_TIMEOUT_S, size_mb: int = DEFAULT_SIZE_MB, iters: int = 5,
 ) -> HealthReport:
     """Run every check on every rank of `strategy` (a Neuron strategy of the Trainer or Fabric, set up), collectively.
 
-    Returns the same report on every rank; raises `HealthCheckError` on every rank when a check failed or a rank did
-    not answer within `timeout` seconds.
+    Returns the report (every rank's results; the collective figures as this rank measured them); raises
+    `HealthCheckError` on every rank that can when a check failed, the versions differ, or a rank did not answer
+    within `timeout` seconds.
     """
+    check_arguments(timeout, size_mb, iters)
     runtime, device = strategy.runtime, strategy.root_device
     world, rank = strategy.world_size, strategy.global_rank
     board = _Board(world, rank, next(_runs))
-    mine = RankReport(rank=rank, host=socket.gethostname(), core=runtime.core_label(device))
+    mine = RankReport(rank=rank, host=socket.gethostname(), core=runtime.core_label(device),
+                      versions=runtime.versions())
 
     board.post("hello", asdict(mine))
-    hello = {r: RankReport(**p) for r, p in enumerate(board.collect("hello", timeout, {}, "starting the health check"))}
-    with _watchdog(2 * timeout, "the device op and host<->device copy", mine.where()):
-        _device_op(mine, runtime, device)
-        _copy_bandwidth(mine, runtime, device, size_mb)
+    board.hello = {r: RankReport(**p) for r, p in enumerate(board.collect("hello", timeout, "starting the check"))}
+    board.hello.setdefault(rank, mine)
+    _check_versions(list(board.hello.values()))
+    with _watchdog(2 * timeout, "the device op and host<->device copy", board, "device"):
+        _guarded(mine, "device op", lambda: _device_op(mine, runtime, device))
+        _guarded(mine, "host<->device copy", lambda: _copy_bandwidth(mine, runtime, device, size_mb))
     board.post("device", asdict(mine))
-    reports = [RankReport(**p) for p in board.collect("device", timeout, hello, "the device op")] or [mine]
+    reports = [RankReport(**p) for p in board.collect("device", timeout, "the device op")] or [mine]
     _fail(reports, "the device op")
 
     collectives: dict[str, float] = {}
     if world > 1:
-        with _watchdog(2 * timeout, "the all-gather / all-reduce", mine.where()):
-            collectives = _collectives(mine, strategy, size_mb, iters)
+        with _watchdog(2 * timeout, "the all-gather / all-reduce", board, "collectives"):
+            collectives = _guarded(mine, "collectives", lambda: _collectives(mine, strategy, size_mb, iters))
         board.post("collectives", asdict(mine))
-        reports = [RankReport(**p) for p in board.collect("collectives", timeout, hello, "the collectives")]
+        reports = [RankReport(**p) for p in board.collect("collectives", timeout, "the collectives")]
         _fail(reports, "the collectives")
-    return HealthReport(world_size=world, versions=runtime.versions(), ranks=reports, collectives=collectives)
+        # the last use of the store: rank 0 (which may serve it) returns only once every rank is done reading
+        board.post("done", True)
+        if rank == 0:
+            board.collect("done", timeout, "the health check")
+    return HealthReport(world_size=world, versions=mine.versions, ranks=reports, collectives=collectives)

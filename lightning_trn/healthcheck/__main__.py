@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Optional
 
-from lightning_trn.healthcheck import DEFAULT_SIZE_MB, DEFAULT_TIMEOUT_S, HealthCheckError, run_health_check
+from lightning_trn.healthcheck import (
+    DEFAULT_SIZE_MB,
+    DEFAULT_TIMEOUT_S,
+    HealthCheckError,
+    check_arguments,
+    run_health_check,
+)
 
 
 def _launch_defaults(env: dict[str, str]) -> tuple[str, int]:
@@ -39,6 +45,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--iters", type=int, default=5, help="timed all-reduce repetitions")
     parser.add_argument("--json", default=None, help="also write the report (rank 0) to this file")
     args = parser.parse_args(argv)
+    try:
+        check_arguments(args.timeout, args.size_mb, args.iters)
+    except ValueError as err:
+        parser.error(str(err))
 
     from lightning.fabric import Fabric
 

@@ -3,14 +3,15 @@
 `neuron-monitor -c <config>` prints one JSON document per period on stdout; for every process using NeuronCores,
 `neuron_runtime_data[i].report` holds `neuroncore_counters.neuroncores_in_use.<core>.neuroncore_utilization` (percent)
 and `memory_used.neuron_runtime_used_bytes.{neuron_device,host}` (Neuron docs: "neuron-monitor user guide"). One
-stream is started per process, on first use, and read by a background thread: sampling never waits on it or on the
-device.
+stream is started per process (each reports its own pid's cores), on first use, and read by a background thread:
+sampling never waits on it or on the device.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from typing import Any, Optional
+
+log = logging.getLogger(__name__)
 
 #: the daemon's executable (on PATH on a Neuron host with `aws-neuronx-tools`)
 MONITOR_EXECUTABLE = "neuron-monitor"
@@ -67,6 +70,7 @@ class MonitorStream:
                 continue
             if isinstance(document, dict):
                 self._latest = document
+        self._latest = {}  # neuron-monitor exited: no figures rather than frozen ones
 
     def sample(self, pid: int) -> dict[str, float]:
         return parse_report(self._latest, pid)
@@ -89,12 +93,18 @@ def _start_stream() -> Optional[MonitorStream]:
     executable = shutil.which(MONITOR_EXECUTABLE)
     if executable is None:
         return None
-    config = tempfile.NamedTemporaryFile("w", prefix="lightning_trn-neuron-monitor-", suffix=".json", delete=False)
-    with config:
-        json.dump(MONITOR_CONFIG, config)
-    stream = MonitorStream([executable, "-c", config.name])
+    config_dir = tempfile.mkdtemp(prefix="lightning_trn-neuron-monitor-")
+    atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
+    config = os.path.join(config_dir, "config.json")
+    with open(config, "w") as f:
+        json.dump(MONITOR_CONFIG, f)
+    try:
+        stream = MonitorStream([executable, "-c", config])
+    except OSError as err:  # not executable, or no resources: device stats go on without it
+        log.warning("lightning_trn: could not start %s (%s); no NeuronCore utilization in the device stats.",
+                    executable, err)
+        return None
     atexit.register(stream.close)
-    atexit.register(os.unlink, config.name)
     return stream
 
 

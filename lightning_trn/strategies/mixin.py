@@ -11,7 +11,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import XLAProfiler
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
@@ -196,12 +196,12 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             super().teardown()  # type: ignore[misc]
             set_shared_parameters(module, shared)
         finally:
-            if self._trace_dir is not None:
-                self._trace_dir = None
-                self.runtime.stop_trace()
             if self._holds_lightning_hooks:
                 self._holds_lightning_hooks = False
                 _lightning_hooks.release()
+            if self._trace_dir is not None:
+                self._trace_dir = None
+                self.runtime.stop_trace()
 
     def _start_profiler_trace(self, trainer: pl.Trainer) -> None:
         """With `Trainer(profiler="xla")` Lightning only starts torch_xla's profiler server, for a capture from
@@ -210,14 +210,18 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         profiler = trainer.profiler
         if not isinstance(profiler, XLAProfiler) or self._trace_dir is not None:
             return
-        root = profiler.dirpath or trainer.log_dir or trainer.default_root_dir
-        trace_dir = os.path.join(str(root), "xla_trace")
+        trace_dir = os.path.join(str(profiler.dirpath), "xla_trace")  # the Trainer set it to its log dir if unset
         if trainer.world_size > 1:  # each rank writes `<host>.xplane.pb`: ranks on one host would overwrite
             trace_dir = os.path.join(trace_dir, f"rank{trainer.global_rank}")
-        if self.runtime.start_trace(trace_dir):
+        try:
+            started = self.runtime.start_trace(trace_dir)
+        except (RuntimeError, AttributeError) as err:  # another trace is running; torch_xla < 2.7 has no start_trace
+            rank_zero_warn(f"lightning_trn: not recording an XLA profiler trace of this run: {err}")
+            return
+        if started:
             self._trace_dir = trace_dir
-            rank_zero_info(f"lightning_trn: recording an XLA profiler trace of this run into {trace_dir} (TensorBoard's "
-                           "profile plugin reads it).")
+            rank_zero_info(f"lightning_trn: recording an XLA profiler trace of this run into {trace_dir} "
+                           "(TensorBoard's profile plugin reads it).")
 
     @staticmethod
     def _evaluate_under_no_grad(trainer: pl.Trainer) -> None:
