@@ -129,3 +129,15 @@ def test_versions_and_core_names_come_from_the_host(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(type(runtime), "on_neuron", lambda self: True)
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "5")
     assert runtime.core_label(torch.device(runtime.device_type, 0)).startswith("NeuronCore 5 (")
+
+
+def test_ranks_with_different_software_are_named():
+    from lightning_trn.healthcheck import RankReport, _check_versions
+
+    same = {"torch": "2.9.0", "neuron driver": "2.24.7.0"}
+    ranks = [RankReport(0, "a", "core 0", versions=same), RankReport(1, "a", "core 1", versions=dict(same)),
+             RankReport(2, "b", "core 0", versions={**same, "neuron driver": "2.22.1.0"})]
+    _check_versions(ranks[:2])
+    with pytest.raises(HealthCheckError, match=r"rank 2 \(host b, core 0\): neuron driver 2\.22\.1\.0 \(rank 0: "
+                                               r"2\.24\.7\.0\)"):
+        _check_versions(ranks)
