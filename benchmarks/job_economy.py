@@ -1,0 +1,360 @@
+"""What a whole training job costs in graphs and transfers (issue 19): a recipe's job through the plugin against an
+expert's hand-written torch_xla twin of the same job, phase by phase.
+
+The job, as users run it (`recipes.common.fit`): `fit` with validation every epoch, the progress bar, the CSV logger
+and `last.ckpt` checkpoints, then `test`. The twin does the same work the way an expert writes it for Neuron: the
+same module, data and padding, one graph per training step (`MpDeviceLoader`, `xm.optimizer_step`), epoch-mean loss
+and masked accuracy accumulated on the device and read once per epoch in one transfer, one evaluation step shared by
+validation and test, and `xm.save` checkpoints.
+
+Per phase (setup and sanity check, training steps, validation, epoch ends, checkpoints, test, teardown) both sides
+report: graphs compiled, graph executions, device->host transfers, `.item()`-style scalar reads, CPU fallbacks and
+main-thread CPU ms (per step for training steps); and per job the time from process start to the first step done
+and the wall time. Each side runs in a fresh process, so neither finds graphs the other compiled. XLA backend only:
+the twin is torch_xla code.
+
+    PJRT_DEVICE=CPU python -m benchmarks.job_economy                      # MLP, the recipe's default job (~2 min)
+    PJRT_DEVICE=CPU python -m benchmarks.job_economy --workloads vit bert  # shortened jobs, counts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+from benchmarks._harness import describe_machine, format_table, wait_for_device
+from lightning_trn.runtime import RuntimeMetrics, get_runtime
+from recipes.classifier import ClassifierModule
+from recipes.cli import load_config
+from recipes.common import build_trainer
+from recipes.data import TensorDataModule
+
+#: phases in job order
+PHASES = ("setup", "train", "validation", "epoch end", "checkpoint", "test", "teardown")
+
+#: the job per workload: the recipe's defaults for MLP; ViT and BERT shortened to 2 epochs of a few batches
+JOBS: dict[str, tuple[str, ...]] = {
+    "mlp": (),
+    "vit": ("trainer.max_epochs=2", "trainer.limit_train_batches=20", "trainer.limit_val_batches=4",
+            "trainer.limit_test_batches=4"),
+    "bert": ("trainer.max_epochs=2", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
+             "trainer.limit_test_batches=2", "data.batch_size=8", "data.max_length=64"),
+}
+
+
+@dataclass
+class PhaseCost:
+    """What one phase of a job cost: runtime counters and main-thread CPU time, and how often it was entered."""
+
+    metrics: RuntimeMetrics = field(default_factory=RuntimeMetrics)
+    cpu_s: float = 0.0
+    steps: int = 0
+
+
+class Ledger:
+    """Attributes counters and main-thread CPU time to the current phase. `enter(phase)` closes the current one:
+    it waits for the device first (without cutting a graph), so executions land in the phase that launched them."""
+
+    def __init__(self) -> None:
+        self.phases = {name: PhaseCost() for name in PHASES}
+        self.current = "setup"
+        self._metrics = get_runtime().metrics()
+        self._cpu = time.thread_time()
+        self.first_step_done: Optional[float] = None
+
+    def enter(self, phase: str) -> None:
+        wait_for_device()
+        metrics, cpu = get_runtime().metrics(), time.thread_time()
+        cost = self.phases[self.current]
+        cost.metrics = _add(cost.metrics, metrics - self._metrics)
+        cost.cpu_s += cpu - self._cpu
+        self._metrics, self._cpu = metrics, cpu
+        self.current = phase
+
+    def step_done(self, start: float) -> None:
+        """Count a training step; the first one's end (device finished) is the job's time to first step."""
+        self.phases["train"].steps += 1
+        if self.first_step_done is None:
+            wait_for_device()
+            self.first_step_done = time.monotonic() - start
+
+
+def _add(a: RuntimeMetrics, b: RuntimeMetrics) -> RuntimeMetrics:
+    names = set(a.cpu_fallbacks) | set(b.cpu_fallbacks)
+    return RuntimeMetrics(
+        compiles=a.compiles + b.compiles, executions=a.executions + b.executions,
+        device_to_host=a.device_to_host + b.device_to_host, host_to_device=a.host_to_device + b.host_to_device,
+        scalar_reads=a.scalar_reads + b.scalar_reads,
+        cpu_fallbacks={n: a.cpu_fallbacks.get(n, 0) + b.cpu_fallbacks.get(n, 0) for n in names},
+    )
+
+
+@dataclass
+class JobResult:
+    side: str
+    phases: dict[str, PhaseCost]
+    first_step_s: float
+    wall_s: float
+    test: dict[str, float]
+
+
+class _PhaseCallback(pl.Callback):
+    """Moves the ledger from phase to phase at the Trainer's hooks; checkpoints through `trainer.save_checkpoint`."""
+
+    def __init__(self, ledger: Ledger, start: float) -> None:
+        self.ledger, self.start = ledger, start
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if "save_checkpoint" in vars(trainer):  # wrapped at `fit`'s setup already
+            return
+        save = trainer.save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> None:
+            previous = self.ledger.current
+            self.ledger.enter("checkpoint")
+            save(*args, **kwargs)
+            self.ledger.enter(previous)
+
+        trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.ledger.current != "train":
+            self.ledger.enter("train")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.ledger.step_done(self.start)
+
+    def on_validation_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            self.ledger.enter("validation")
+
+    def on_validation_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            self.ledger.enter("epoch end")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.ledger.current == "train":
+            self.ledger.enter("epoch end")
+
+    def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.ledger.enter("teardown")
+
+    def on_test_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.ledger.enter("test")
+
+    def on_test_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.ledger.enter("teardown")
+
+
+def _build(workload: str, out: str) -> tuple[Any, TensorDataModule, ClassifierModule]:
+    from importlib import import_module
+
+    recipe = import_module(f"recipes.{workload}").RECIPE
+    cfg = load_config(recipe, [f"out_dir={out}", *JOBS[workload]])
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    return cfg, recipe.build_data(cfg), recipe.build_model(cfg)
+
+
+def run_plugin(workload: str, start: float) -> JobResult:
+    """The recipe's job: `recipes.common.build_trainer` (bar, CSV logger, `last.ckpt`), `fit`, then `test`."""
+    with tempfile.TemporaryDirectory() as out:
+        cfg, data, module = _build(workload, out)
+        ledger = Ledger()
+        trainer = build_trainer(cfg)
+        trainer.callbacks.insert(0, _PhaseCallback(ledger, start))
+        trainer.fit(module, datamodule=data)
+        results = trainer.test(module, datamodule=data, verbose=False)[0]
+        ledger.enter("teardown")
+    return JobResult("plugin", ledger.phases, ledger.first_step_done or 0.0, time.monotonic() - start, results)
+
+
+class _Totals:
+    """Epoch sums on the device, as Lightning reduces the recipe's logs: batch loss x batch rows and batch rows (the
+    loss's epoch mean), correct and real (weighted) rows (MaskedAccuracy). One transfer reads all four."""
+
+    def __init__(self, device: torch.device) -> None:
+        # uploaded, not created on the device: a lazy `zeros` would make each epoch's first step a graph of its own
+        self.sums = torch.zeros(4).to(device)
+
+    def add(self, loss: torch.Tensor, batch: dict[str, torch.Tensor], correct: torch.Tensor) -> None:
+        rows = float(len(batch["weight"]))
+        weight = batch["weight"].to(torch.float32).sum()
+        self.sums = self.sums + torch.stack([loss.detach() * rows, torch.full_like(loss, rows), correct, weight])
+
+    def read(self) -> tuple[float, float]:
+        loss_rows, rows, correct, weight = self.sums.cpu().tolist()
+        return loss_rows / rows, correct / max(weight, 1.0)
+
+
+def _loss_and_correct(module: ClassifierModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recipe's loss (`ClassifierModule._step`) and the weighted count of correct predictions."""
+    logits = module.logits(batch)
+    weight = batch["weight"].to(torch.float32)
+    losses = F.cross_entropy(logits.float(), batch["y"], reduction="none")
+    correct = ((logits.argmax(dim=-1) == batch["y"]).to(torch.float32) * weight).sum()
+    return (losses * weight).sum() / weight.sum().clamp_min(1.0), correct
+
+
+def run_expert(workload: str, start: float) -> JobResult:
+    """The same job written by hand for torch_xla (see the module docstring)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg, data, module = _build(workload, out)
+        ledger = Ledger()
+        device = torch_xla.device()
+        module.to(device)
+        optimizer = module.configure_optimizers()
+        limits = {key: cfg.trainer.get(f"limit_{key}_batches", 1.0) for key in ("train", "val", "test")}
+
+        def batches(loader: Any, limit: Any) -> Any:
+            count = len(loader) if isinstance(limit, float) else min(int(limit), len(loader))
+            for index, batch in enumerate(MpDeviceLoader(loader, device)):
+                if index == count:
+                    break
+                yield batch
+
+        @torch.no_grad()
+        def evaluate(loader: Any, limit: Any) -> tuple[float, float]:
+            module.eval()
+            totals = _Totals(device)
+            for batch in batches(loader, limit):
+                loss, correct = _loss_and_correct(module, batch)
+                totals.add(loss, batch, correct)
+                torch_xla.sync()
+            module.train()
+            return totals.read()
+
+        # built once, as Lightning does: the seeded shuffle then differs from epoch to epoch
+        train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
+        for epoch in range(cfg.trainer.max_epochs):
+            ledger.enter("train")
+            totals = _Totals(device)
+            for batch in batches(train_loader, limits["train"]):
+                optimizer.zero_grad()
+                loss, correct = _loss_and_correct(module, batch)
+                loss.backward()
+                xm.optimizer_step(optimizer)
+                totals.add(loss, batch, correct)
+                torch_xla.sync()
+                ledger.step_done(start)
+            ledger.enter("validation")
+            evaluate(val_loader, limits["val"])
+            ledger.enter("epoch end")
+            totals.read()
+            ledger.enter("checkpoint")
+            xm.save({"state_dict": module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
+                    os.path.join(out, "last.ckpt"))
+        ledger.enter("test")
+        test_loss, test_acc = evaluate(data.test_dataloader(), limits["test"])
+        ledger.enter("teardown")
+    return JobResult("expert", ledger.phases, ledger.first_step_done or 0.0, time.monotonic() - start,
+                     {"test_loss": test_loss, "test_acc": test_acc})
+
+
+def _row(result: JobResult, phase: str) -> list[Any]:
+    cost = result.phases[phase]
+    m = cost.metrics
+    fallbacks = sum(m.cpu_fallbacks.values())
+    cpu = f"{1e3 * cost.cpu_s / cost.steps:.2f} /step" if phase == "train" and cost.steps else f"{1e3 * cost.cpu_s:.0f}"
+    return [result.side, phase, m.compiles, m.executions, m.device_to_host, m.scalar_reads, fallbacks, cpu]
+
+
+def _total(result: JobResult) -> RuntimeMetrics:
+    total = RuntimeMetrics()
+    for cost in result.phases.values():
+        total = _add(total, cost.metrics)
+    return total
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else ("1.00" if a == b else "inf")
+
+
+def summary(workload: str, plugin: JobResult, expert: JobResult) -> str:
+    """The per-phase table and the per-job totals and ratios, as Markdown."""
+    header = ["side", "phase", "compiles", "executions", "D2H transfers", ".item() reads", "CPU fallbacks",
+              "main-thread CPU ms"]
+    rows = [_row(result, phase) for phase in PHASES for result in (plugin, expert)]
+    p, e = _total(plugin), _total(expert)
+    train_p, train_e = plugin.phases["train"], expert.phases["train"]
+    per_step = [c.cpu_s / c.steps if c.steps else 0.0 for c in (train_p, train_e)]
+    totals = format_table(
+        ["per job", "plugin", "expert", "plugin / expert"],
+        [["graphs compiled", p.compiles, e.compiles, _ratio(p.compiles, e.compiles)],
+         ["executions", p.executions, e.executions, _ratio(p.executions, e.executions)],
+         ["device->host transfers", p.device_to_host, e.device_to_host, _ratio(p.device_to_host, e.device_to_host)],
+         [".item() reads", p.scalar_reads, e.scalar_reads, _ratio(p.scalar_reads, e.scalar_reads)],
+         ["CPU fallbacks", sum(p.cpu_fallbacks.values()), sum(e.cpu_fallbacks.values()),
+          _ratio(sum(p.cpu_fallbacks.values()), sum(e.cpu_fallbacks.values()))],
+         ["training steps", train_p.steps, train_e.steps, _ratio(train_p.steps, train_e.steps)],
+         ["main-thread CPU ms per training step", f"{1e3 * per_step[0]:.2f}", f"{1e3 * per_step[1]:.2f}",
+          _ratio(*per_step)],
+         ["process start -> first step done (s)", f"{plugin.first_step_s:.2f}", f"{expert.first_step_s:.2f}",
+          _ratio(plugin.first_step_s, expert.first_step_s)],
+         ["wall (s)", f"{plugin.wall_s:.1f}", f"{expert.wall_s:.1f}", _ratio(plugin.wall_s, expert.wall_s)],
+         ["test accuracy", f"{plugin.test['test_acc']:.4f}", f"{expert.test['test_acc']:.4f}", ""]],
+    )
+    return f"### {workload}\n\n{format_table(header, rows)}\n\n{totals}\n"
+
+
+def _run_side(side: str, workload: str, spawned_at: float, path: str) -> None:
+    """In a child process: run one side's job and write its result to `path` (JSON)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = (run_plugin if side == "plugin" else run_expert)(workload, spawned_at)
+    phases = {name: {"metrics": asdict(cost.metrics), "cpu_s": cost.cpu_s, "steps": cost.steps}
+              for name, cost in result.phases.items()}
+    Path(path).write_text(json.dumps({**asdict(result), "phases": phases}))
+
+
+def _spawn(side: str, workload: str) -> JobResult:
+    """One side's job in a fresh process: nothing compiled before it, and its start is the job's start."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        spawned_at = time.monotonic()  # CLOCK_MONOTONIC: the same clock in the child
+        subprocess.run([sys.executable, "-m", "benchmarks.job_economy", "--side", side, "--workloads", workload,
+                        "--spawned-at", repr(spawned_at), "--result", path], check=True)
+        data = json.loads(Path(path).read_text())
+    phases = {name: PhaseCost(RuntimeMetrics(**cost["metrics"]), cost["cpu_s"], cost["steps"])
+              for name, cost in data.pop("phases").items()}
+    return JobResult(phases=phases, **data)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, JobResult]]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.job_economy", description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", nargs="+", choices=list(JOBS), default=["mlp"])
+    parser.add_argument("--side", choices=("plugin", "expert"), help=argparse.SUPPRESS)  # a child's run
+    parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if get_runtime().name != "xla":
+        parser.error("the expert twin is torch_xla code: run this on the XLA backend (PJRT_DEVICE=CPU).")
+    if args.side:
+        _run_side(args.side, args.workloads[0], args.spawned_at, args.result)
+        return {}
+    results = {workload: (_spawn("plugin", workload), _spawn("expert", workload)) for workload in args.workloads}
+    print(f"\n{describe_machine()}\n")
+    for workload, (plugin, expert) in results.items():
+        print(summary(workload, plugin, expert))
+    return results
+
+
+if __name__ == "__main__":
+    main()
