@@ -30,14 +30,33 @@ from typing_extensions import override
 
 
 def to_portable(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Copy of `checkpoint` with device tensors moved to CPU and omegaconf containers turned into plain ones."""
+    """Copy of `checkpoint` with device tensors moved to CPU, all in one batch (`DeviceRuntime.to_host`: one
+    transfer per checkpoint on XLA, not one per tensor), and omegaconf containers turned into plain ones."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
 
         checkpoint = apply_to_collection(checkpoint, (DictConfig, ListConfig), OmegaConf.to_container, resolve=True)
     except ImportError:
         pass
-    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().cpu() if t.device.type != "cpu" else t)
+    on_device: list[torch.Tensor] = []
+
+    def collect(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            on_device.append(tensor)
+        return tensor
+
+    apply_to_collection(checkpoint, torch.Tensor, collect)
+    if not on_device:
+        return checkpoint
+    from lightning_trn.runtime import get_runtime
+
+    runtime = get_runtime()
+    batched = [t for t in on_device if t.device.type == runtime.device_type]
+    host = {id(t): copy for t, copy in zip(batched, runtime.to_host(batched))}
+    return apply_to_collection(
+        checkpoint, torch.Tensor,
+        lambda t: host[id(t)] if id(t) in host else (t.detach().cpu() if t.device.type != "cpu" else t),
+    )
 
 
 #: top-level checkpoint key holding the train loaders' states, moved out of `loops.fit_loop.state_dict`

@@ -121,6 +121,10 @@ class DeviceRuntime(ABC):
         """Wrap `dataloader` so batches arrive on `device`, loaded in the background. It only moves data: cutting
         the graph is the strategy's job (`sync`)."""
 
+    def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU copies of this backend's device `tensors`, in as few device->host transfers as the backend allows."""
+        return [t.detach().cpu() for t in tensors]
+
     @abstractmethod
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         """Device memory figures the runtime offers (empty if it offers none)."""
