@@ -80,7 +80,7 @@ class Ledger:
         wait_for_device()
         metrics, cpu = get_runtime().metrics(), time.thread_time()
         cost = self.phases[self.current]
-        cost.metrics = _add(cost.metrics, metrics - self._metrics)
+        cost.metrics = cost.metrics + (metrics - self._metrics)
         cost.cpu_s += cpu - self._cpu
         self._metrics, self._cpu = metrics, cpu
         self.current = phase
@@ -91,16 +91,6 @@ class Ledger:
         if self.first_step_done is None:
             wait_for_device()
             self.first_step_done = time.monotonic() - start
-
-
-def _add(a: RuntimeMetrics, b: RuntimeMetrics) -> RuntimeMetrics:
-    names = set(a.cpu_fallbacks) | set(b.cpu_fallbacks)
-    return RuntimeMetrics(
-        compiles=a.compiles + b.compiles, executions=a.executions + b.executions,
-        device_to_host=a.device_to_host + b.device_to_host, host_to_device=a.host_to_device + b.host_to_device,
-        scalar_reads=a.scalar_reads + b.scalar_reads,
-        cpu_fallbacks={n: a.cpu_fallbacks.get(n, 0) + b.cpu_fallbacks.get(n, 0) for n in names},
-    )
 
 
 @dataclass
@@ -277,10 +267,7 @@ def _row(result: JobResult, phase: str) -> list[Any]:
 
 
 def _total(result: JobResult) -> RuntimeMetrics:
-    total = RuntimeMetrics()
-    for cost in result.phases.values():
-        total = _add(total, cost.metrics)
-    return total
+    return sum((cost.metrics for cost in result.phases.values()), RuntimeMetrics())
 
 
 def _ratio(a: float, b: float) -> str:

@@ -73,9 +73,10 @@ def _is_neuron_device(device: torch.device) -> bool:
         return False
     try:
         runtime = get_runtime()
-        return device.type == runtime.device_type and runtime.is_installed() and bool(runtime.detect_platform())
+        runtime.detect_platform()  # raises where lightning_trn has no platform (not installed, no device)
     except (NeuronUnavailableError, ValueError):
         return False
+    return device.type == runtime.device_type
 
 
 def _available_flops(original: Callable[..., Optional[int]]) -> Callable[..., Optional[int]]:

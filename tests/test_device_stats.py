@@ -63,11 +63,11 @@ def fake_neuron_monitor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
                                           document=json.dumps(_document(0))))
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(monitor, "_stream", None)
-    monkeypatch.setattr(monitor, "_looked", False)
+    monitor._stream.cache_clear()
     yield argv_file
-    if monitor._stream is not None:
-        monitor._stream.close()
+    if monitor._stream.cache_info().currsize and (stream := monitor._stream()) is not None:
+        stream.close()
+    monitor._stream.cache_clear()
 
 
 def test_neuron_host_stats_come_from_neuron_monitor(fake_neuron_monitor: Path, monkeypatch: pytest.MonkeyPatch):

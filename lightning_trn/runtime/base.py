@@ -8,12 +8,13 @@ without changes to the strategies.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -36,17 +37,19 @@ class RuntimeMetrics:
     #: ops the runtime could not lower and ran on the host instead, by name (`aten::nonzero` ...).
     cpu_fallbacks: dict[str, int] = field(default_factory=dict)
 
-    def __sub__(self, other: RuntimeMetrics) -> RuntimeMetrics:
+    def _combine(self, other: RuntimeMetrics, op: Callable[[int, int], int]) -> RuntimeMetrics:
+        """Every counter of `self` and `other` combined with `op`; fallbacks that come to 0 are dropped."""
+        counts = {f.name: op(getattr(self, f.name), getattr(other, f.name))
+                  for f in fields(self) if f.name != "cpu_fallbacks"}
         names = set(self.cpu_fallbacks) | set(other.cpu_fallbacks)
-        fallbacks = {n: self.cpu_fallbacks.get(n, 0) - other.cpu_fallbacks.get(n, 0) for n in names}
-        return RuntimeMetrics(
-            compiles=self.compiles - other.compiles,
-            executions=self.executions - other.executions,
-            device_to_host=self.device_to_host - other.device_to_host,
-            host_to_device=self.host_to_device - other.host_to_device,
-            scalar_reads=self.scalar_reads - other.scalar_reads,
-            cpu_fallbacks={n: v for n, v in fallbacks.items() if v},
-        )
+        fallbacks = {n: op(self.cpu_fallbacks.get(n, 0), other.cpu_fallbacks.get(n, 0)) for n in names}
+        return RuntimeMetrics(**counts, cpu_fallbacks={n: v for n, v in fallbacks.items() if v})
+
+    def __sub__(self, other: RuntimeMetrics) -> RuntimeMetrics:
+        return self._combine(other, operator.sub)
+
+    def __add__(self, other: RuntimeMetrics) -> RuntimeMetrics:
+        return self._combine(other, operator.add)
 
 
 @functools.cache  # said once per process and platform

@@ -10,6 +10,7 @@ sampling never waits on it or on the device.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -84,12 +85,8 @@ class MonitorStream:
                 self._process.kill()
 
 
-_stream: Optional[MonitorStream] = None
-_looked = False  # whether this process looked for neuron-monitor already
-_lock = threading.Lock()
-
-
-def _start_stream() -> Optional[MonitorStream]:
+@functools.lru_cache(maxsize=1)  # one stream per process, looked for once
+def _stream() -> Optional[MonitorStream]:
     executable = shutil.which(MONITOR_EXECUTABLE)
     if executable is None:
         return None
@@ -111,9 +108,5 @@ def _start_stream() -> Optional[MonitorStream]:
 def neuron_monitor_stats() -> dict[str, float]:
     """This process's latest figures from `neuron-monitor` (started on the first call); empty without it, or
     before its first period has passed."""
-    global _stream, _looked
-    with _lock:
-        if not _looked:
-            _looked = True
-            _stream = _start_stream()
-    return {} if _stream is None else _stream.sample(os.getpid())
+    stream = _stream()
+    return {} if stream is None else stream.sample(os.getpid())
