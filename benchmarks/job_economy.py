@@ -140,8 +140,8 @@ class _PhaseCallback(pl.Callback):
         if self.ledger.current == "train":
             self.ledger.enter("epoch end")
 
-    def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.ledger.enter("teardown")
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.ledger.enter("teardown")  # the fit loop is done: next come Lightning's and the strategy's teardowns
 
     def on_test_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.ledger.enter("test")
@@ -150,19 +150,19 @@ class _PhaseCallback(pl.Callback):
         self.ledger.enter("teardown")
 
 
-def _build(workload: str, out: str) -> tuple[Any, TensorDataModule, ClassifierModule]:
+def _build(workload: str, out: str, overrides: Sequence[str] = ()) -> tuple[Any, TensorDataModule, ClassifierModule]:
     from importlib import import_module
 
     recipe = import_module(f"recipes.{workload}").RECIPE
-    cfg = load_config(recipe, [f"out_dir={out}", *JOBS[workload]])
+    cfg = load_config(recipe, [f"out_dir={out}", *JOBS[workload], *overrides])
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     return cfg, recipe.build_data(cfg), recipe.build_model(cfg)
 
 
-def run_plugin(workload: str, start: float) -> JobResult:
+def run_plugin(workload: str, start: float, overrides: Sequence[str] = ()) -> JobResult:
     """The recipe's job: `recipes.common.build_trainer` (bar, CSV logger, `last.ckpt`), `fit`, then `test`."""
     with tempfile.TemporaryDirectory() as out:
-        cfg, data, module = _build(workload, out)
+        cfg, data, module = _build(workload, out, overrides)
         ledger = Ledger()
         trainer = build_trainer(cfg)
         trainer.callbacks.insert(0, _PhaseCallback(ledger, start))
@@ -199,14 +199,14 @@ def _loss_and_correct(module: ClassifierModule, batch: dict[str, torch.Tensor]) 
     return (losses * weight).sum() / weight.sum().clamp_min(1.0), correct
 
 
-def run_expert(workload: str, start: float) -> JobResult:
+def run_expert(workload: str, start: float, overrides: Sequence[str] = ()) -> JobResult:
     """The same job written by hand for torch_xla (see the module docstring)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
     with tempfile.TemporaryDirectory() as out:
-        cfg, data, module = _build(workload, out)
+        cfg, data, module = _build(workload, out, overrides)
         ledger = Ledger()
         device = torch_xla.device()
         module.to(device)
@@ -274,6 +274,22 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else ("1.00" if a == b else "inf")
 
 
+def targets(plugin: JobResult, expert: JobResult) -> list[list[Any]]:
+    """Issue 19's targets: [target, plugin's figure, limit from the twin's, met]."""
+    p, e = _total(plugin), _total(expert)
+    train_p, train_e = plugin.phases["train"], expert.phases["train"]
+    per_step = [c.cpu_s / c.steps if c.steps else 0.0 for c in (train_p, train_e)]
+    rows = [
+        ["graphs compiled <= the twin's", p.compiles, e.compiles],
+        ["device->host transfers <= 2x the twin's", p.device_to_host, 2 * e.device_to_host],
+        [".item() reads <= the twin's (values read in batched transfers)", p.scalar_reads, e.scalar_reads],
+        ["main-thread CPU ms per training step <= 1.1x", round(1e3 * per_step[0], 2), round(1.1e3 * per_step[1], 2)],
+        ["process start -> first step done (s) <= 1.05x", round(plugin.first_step_s, 2),
+         round(1.05 * expert.first_step_s, 2)],
+    ]
+    return [[name, value, limit, "met" if value <= limit else "MISSED"] for name, value, limit in rows]
+
+
 def summary(workload: str, plugin: JobResult, expert: JobResult) -> str:
     """The per-phase table and the per-job totals and ratios, as Markdown."""
     header = ["side", "phase", "compiles", "executions", "D2H transfers", ".item() reads", "CPU fallbacks",
@@ -298,26 +314,27 @@ def summary(workload: str, plugin: JobResult, expert: JobResult) -> str:
          ["wall (s)", f"{plugin.wall_s:.1f}", f"{expert.wall_s:.1f}", _ratio(plugin.wall_s, expert.wall_s)],
          ["test accuracy", f"{plugin.test['test_acc']:.4f}", f"{expert.test['test_acc']:.4f}", ""]],
     )
-    return f"### {workload}\n\n{format_table(header, rows)}\n\n{totals}\n"
+    goals = format_table(["target", "plugin", "limit", ""], targets(plugin, expert))
+    return f"### {workload}\n\n{format_table(header, rows)}\n\n{totals}\n\n{goals}\n"
 
 
-def _run_side(side: str, workload: str, spawned_at: float, path: str) -> None:
+def _run_side(side: str, workload: str, spawned_at: float, path: str, overrides: Sequence[str]) -> None:
     """In a child process: run one side's job and write its result to `path` (JSON)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = (run_plugin if side == "plugin" else run_expert)(workload, spawned_at)
+        result = (run_plugin if side == "plugin" else run_expert)(workload, spawned_at, overrides)
     phases = {name: {"metrics": asdict(cost.metrics), "cpu_s": cost.cpu_s, "steps": cost.steps}
               for name, cost in result.phases.items()}
     Path(path).write_text(json.dumps({**asdict(result), "phases": phases}))
 
 
-def _spawn(side: str, workload: str) -> JobResult:
+def _spawn(side: str, workload: str, overrides: Sequence[str]) -> JobResult:
     """One side's job in a fresh process: nothing compiled before it, and its start is the job's start."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         spawned_at = time.monotonic()  # CLOCK_MONOTONIC: the same clock in the child
         subprocess.run([sys.executable, "-m", "benchmarks.job_economy", "--side", side, "--workloads", workload,
-                        "--spawned-at", repr(spawned_at), "--result", path], check=True)
+                        "--spawned-at", repr(spawned_at), "--result", path, "--set", *overrides], check=True)
         data = json.loads(Path(path).read_text())
     phases = {name: PhaseCost(RuntimeMetrics(**cost["metrics"]), cost["cpu_s"], cost["steps"])
               for name, cost in data.pop("phases").items()}
@@ -327,6 +344,8 @@ def _spawn(side: str, workload: str) -> JobResult:
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, JobResult]]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.job_economy", description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", choices=list(JOBS), default=["mlp"])
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe config overrides for both sides' jobs, e.g. trainer.max_epochs=2")
     parser.add_argument("--side", choices=("plugin", "expert"), help=argparse.SUPPRESS)  # a child's run
     parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -334,9 +353,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, Job
     if get_runtime().name != "xla":
         parser.error("the expert twin is torch_xla code: run this on the XLA backend (PJRT_DEVICE=CPU).")
     if args.side:
-        _run_side(args.side, args.workloads[0], args.spawned_at, args.result)
+        _run_side(args.side, args.workloads[0], args.spawned_at, args.result, args.set)
         return {}
-    results = {workload: (_spawn("plugin", workload), _spawn("expert", workload)) for workload in args.workloads}
+    results = {workload: (_spawn("plugin", workload, args.set), _spawn("expert", workload, args.set))
+               for workload in args.workloads}
     print(f"\n{describe_machine()}\n")
     for workload, (plugin, expert) in results.items():
         print(summary(workload, plugin, expert))

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import lightning
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loops import _EvaluationLoop, _FitLoop, _PredictionLoop
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from packaging.version import Version
 
-from lightning_trn import _logging_hooks, _loop_shortcuts
+from torchmetrics import Metric
+
+from lightning_trn import _host_copies, _logging_hooks, _loop_shortcuts, _metric_states
 from lightning_trn.strategies import device_loader
 
 #: Lightning versions whose internals the hooks were written and tested against
@@ -48,10 +50,14 @@ HOOKS: tuple[Hook, ...] = (
     Hook(result, "convert_tensors_to_scalars", _logging_hooks.conversion_unless_deferred),
     Hook(logger_connector._LoggerConnector, "metrics", _logging_hooks.deferring_metrics),
     Hook(result._ResultMetric, "to", _logging_hooks.result_move_shortcut),
+    Hook(Metric, "reset", _metric_states.reset_from_host),
+    Hook(Trainer, "_teardown", _host_copies.teardown_in_one_transfer),
     Hook(LightningModule, "log", _logging_hooks.log_fast_path),
     Hook(LightningModule, "__setattr__", _loop_shortcuts.fx_name_setattr),
     *(Hook(module, "is_param_in_hook_signature", _loop_shortcuts.cached_signature_check)
       for module in _loop_shortcuts.SIGNATURE_CALLERS),
+    *(Hook(module, "has_len_all_ranks", _loop_shortcuts.host_length_check)
+      for module in _loop_shortcuts.LENGTH_CHECK_CALLERS),
     *(Hook(loop, "setup_data", device_loader.setup_data_showing_user_loaders)
       for loop in (_FitLoop, _EvaluationLoop, _PredictionLoop)),
 )

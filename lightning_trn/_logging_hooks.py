@@ -1,4 +1,4 @@
-"""Three hooks into Lightning's logging internals that cost XLA runs a sync or time every step.
+"""Four hooks into Lightning's logging internals that cost XLA runs a sync, a graph or time every step.
 
 Each function here takes Lightning's original and returns its replacement (None where this Lightning version lacks
 what it relies on); `lightning_trn._lightning_hooks` installs them for Neuron runs only and restores the originals.
@@ -20,6 +20,15 @@ one): about 0.3 ms of host time per call on XLA:CPU, paid by every step of a hos
 strategy says `fast_log`, a call whose hook, name, options and kind of value match an earlier call that Lightning
 validated and stored updates that stored result directly, exactly as `_ResultCollection.update_metrics` does. Anything
 else (first call, new epoch, a move off the device, other arguments) goes through Lightning unchanged.
+
+4. Epoch-level values (`on_epoch=True` means and sums, `Metric.compute`) computed on the host. Lightning computes each
+on the device when the epoch ends, and the bar, the logger and the callbacks then read them one `.item()` at a time:
+on XLA a small graph per kind of value (compiled once each, and again at every place a different set of them is
+pending) and a transfer per read, at every epoch end. While a one-process Neuron strategy says
+`epoch_values_on_host`, the states they come from are copied to the host in one transfer and Lightning's own
+computation runs on those copies (`lightning_trn._metric_states.epoch_values_on_host`); the values it stores are host
+tensors, as Lightning's teardown would leave them. Across processes the values' `sync_dist` reductions stay on the
+device.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from torchmetrics import Metric
+
+from lightning_trn._metric_states import NEURON_DEVICE_TYPES, epoch_values_on_host, place_scalars
 
 _DEFER_CONVERSION: ContextVar[bool] = ContextVar("lightning_trn_defer_pbar_conversion", default=False)
 #: `_ResultMetric` attribute: the XLA device its last move went to (None after a move anywhere else)
@@ -64,31 +75,44 @@ def deferring_metrics(metrics_property: Any) -> Optional[property]:
         return None
 
     def metrics(self: Any) -> Any:
-        if not getattr(self.trainer.strategy, "defer_progress_bar_metrics", False):
-            return metrics_property.fget(self)
+        strategy = self.trainer.strategy
+        compute = metrics_property.fget
+        if (getattr(self, "_first_loop_iter", 0) is None and getattr(strategy, "epoch_values_on_host", False)
+                and getattr(strategy, "world_size", 1) == 1):  # across processes, `sync_dist` runs on the device
+            compute = _computing_on_host(compute)  # hook 4: epoch-level values
+        if not getattr(strategy, "defer_progress_bar_metrics", False):
+            return compute(self)
         token = _DEFER_CONVERSION.set(True)
         try:
-            return metrics_property.fget(self)
+            return compute(self)
         finally:
             _DEFER_CONVERSION.reset(token)
 
     return property(metrics, doc=metrics_property.__doc__)
 
 
-#: device types of the Neuron backends (torch_xla's, and TorchNeuron's native device)
-_NEURON_DEVICE_TYPES = ("xla", "neuron")
+def _computing_on_host(compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Hook 4: `compute` (the `metrics` property's getter) with the results' states on the host meanwhile."""
+
+    def on_host(connector: Any) -> Any:
+        with epoch_values_on_host(connector.trainer._results, connector.trainer.strategy.runtime):
+            return compute(connector)
+
+    return on_host
 
 
 def result_move_shortcut(move: Any) -> Optional[Callable[..., Any]]:
-    """Hook 2, replacing `_ResultMetric.to`: skip a move to the Neuron device the result is already on."""
+    """Hook 2, replacing `_ResultMetric.to`: skip a move to the Neuron device the result is already on; on its first
+    move there, its 0-dim states go as device buffers (`lightning_trn._metric_states`)."""
     if not callable(move):
         return None
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         device = args[0] if len(args) == 1 and not kwargs else None
-        if isinstance(device, torch.device) and device.type in _NEURON_DEVICE_TYPES:
+        if isinstance(device, torch.device) and device.type in NEURON_DEVICE_TYPES:
             if self.__dict__.get(_MOVED_TO) == device:
                 return self
+            place_scalars(self, device)
             moved = move(self, *args, **kwargs)
             object.__setattr__(self, _MOVED_TO, device)
             return moved

@@ -1,7 +1,7 @@
 """Shortcuts through Lightning's per-step loop machinery, each giving the same result as the code it bypasses.
 
 On XLA the host traces every step, so a small model's step is host-bound and Lightning's fixed bookkeeping per step
-shows in its speed (benchmarks/README.md). Each is installed for Neuron runs only: 1 and 2 by
+shows in its speed (benchmarks/README.md). Each is installed for Neuron runs only: 1, 2 and 5 by
 `lightning_trn._lightning_hooks` (which restores Lightning's originals after the run), 3 and 4 on the run's own
 trainer:
 
@@ -10,6 +10,10 @@ trainer:
    and `Buffer` (Python metaclass checks) before storing a plain string: ~1.3 us a call.
 2. `is_param_in_hook_signature` remembers its answer per function. The training, evaluation and prediction loops ask
    it about the step method on every batch, and each answer runs `inspect.getfullargspec` (~11 us).
+
+5. `has_len_all_ranks` (which every loop's `setup_data` asks about each loader) sums the loader lengths over the
+   ranks with a host tensor, which Neuron strategies reduce over the host group, instead of a device tensor: on XLA
+   Lightning's two comparisons of that device sum are two graphs, compiled and read at the start of the job.
 
 3 and 4 are set on the trainer by `install_run_shortcuts` (`NeuronStrategyMixin.setup`):
 
@@ -30,12 +34,14 @@ from typing import Any, Callable, ContextManager, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loops import evaluation_loop, prediction_loop, training_epoch_loop
+from lightning.pytorch.loops import evaluation_loop, fit_loop, prediction_loop, training_epoch_loop
 from lightning.pytorch.loops.optimization.automatic import ClosureResult, _AutomaticOptimization
 from lightning.pytorch.profilers import PassThroughProfiler
 
 #: modules whose per-batch code calls `is_param_in_hook_signature` through their own imported name
 SIGNATURE_CALLERS = (training_epoch_loop, evaluation_loop, prediction_loop)
+#: modules whose `setup_data` calls `has_len_all_ranks` through their own imported name
+LENGTH_CHECK_CALLERS = (fit_loop, evaluation_loop, prediction_loop)
 _FX_NAME = "_current_fx_name"
 _NULL_CONTEXT = contextlib.nullcontext()
 
@@ -78,6 +84,32 @@ def cached_signature_check(check: Any) -> Optional[Callable[..., bool]]:
         return per_function[key]
 
     return is_param_in_hook_signature
+
+
+class _HostRootDevice:
+    """A Neuron strategy as `has_len_all_ranks` sees it: the host is its root device (the strategy's `reduce` takes
+    host tensors), everything else is the strategy's."""
+
+    root_device = torch.device("cpu")
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._strategy, name)
+
+
+def host_length_check(check: Any) -> Optional[Callable[..., bool]]:
+    """Shortcut 5: Lightning's `has_len_all_ranks`, its length sum made on the host for Neuron strategies."""
+    if not callable(check):
+        return None
+
+    def has_len_all_ranks(dataloader: object, strategy: Any, *args: Any, **kwargs: Any) -> bool:
+        if getattr(strategy, "reduces_host_tensors", False):
+            strategy = _HostRootDevice(strategy)
+        return check(dataloader, strategy, *args, **kwargs)
+
+    return has_len_all_ranks
 
 
 class _NullContextProfiler(PassThroughProfiler):

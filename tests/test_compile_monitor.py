@@ -125,7 +125,10 @@ def test_fixed_shapes_stay_silent_and_figures_reach_the_logger_once_per_epoch():
     monitor, logger, messages = fit(SequenceRegressor([(4, 11)] * 6, [(4, 11)] * 2), epochs=4)
     assert messages == []
     if get_runtime().name == "xla":  # graph executions: an eager device has none to count
-        assert monitor.summary["steady"]["executions"] >= 22  # 4 epochs x 6 steps, minus the 2 warm-up steps
+        # 4 epochs x 6 steps, minus the 2 warm-up steps, minus the last one if it still runs when the monitor last
+        # reads: torch_xla counts an execution when it runs, and the monitor does not wait for the device (so a
+        # validation step's execution can also land in the steady count)
+        assert monitor.summary["steady"]["executions"] >= 21
     compile_calls = [metrics for metrics, _ in logger.calls if "compile/steady_compiles" in metrics]
     assert len(compile_calls) == 4  # at each epoch end, not per step
     # once train/validation switching has been seen (epochs 0-1), nothing compiles any more

@@ -60,3 +60,35 @@ def test_a_failed_neuron_run_restores_lightning_too():
     with pytest.raises(RuntimeError, match="user error"):
         fit("neuron", Fails())
     assert current() == LIGHTNING
+
+
+def test_the_host_length_check_answers_as_lightnings():
+    """`has_len_all_ranks` with the sum on the host: Lightning's answers, warnings and errors, for a Neuron strategy
+    (whose `reduce` then gets a host tensor); any other strategy goes to Lightning's function as it is."""
+    import warnings
+
+    import torch
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.utilities.data import has_len_all_ranks
+    from torch.utils.data import DataLoader
+
+    from lightning_trn._loop_shortcuts import host_length_check
+    from lightning_trn.strategies import SingleDeviceNeuronStrategy
+
+    class Recording(SingleDeviceNeuronStrategy):
+        def reduce(self, tensor, *args, **kwargs):
+            self.reduced = tensor
+            return super().reduce(tensor, *args, **kwargs)
+
+    on_host = host_length_check(has_len_all_ranks)
+    cpu = SingleDeviceStrategy(torch.device("cpu"))
+    for loader in (regression_loader(n=64), DataLoader([])):
+        neuron = Recording()
+        answers = []
+        for check, strategy in ((has_len_all_ranks, cpu), (on_host, neuron), (on_host, cpu)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                answers.append((check(loader, strategy), [str(w.message) for w in caught]))
+        assert answers[0] == answers[1] == answers[2]
+        assert neuron.reduced.device.type == "cpu"
+    assert answers[0][1] and "across ranks is zero" in answers[0][1][0]  # the empty loader's warning

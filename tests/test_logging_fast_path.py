@@ -54,11 +54,13 @@ def fast_path_calls(monkeypatch):
     return calls
 
 
-def fit(tmp_path, fast_log: bool, model_class=LogsEverything, max_epochs: int = 2) -> Trainer:
+def fit(tmp_path, fast_log: bool, model_class=LogsEverything, max_epochs: int = 2,
+        epoch_values_on_host: bool = True) -> Trainer:
     seed_everything(0)
     model = model_class()
     strategy = SingleDeviceNeuronStrategy()
     strategy.fast_log = fast_log
+    strategy.epoch_values_on_host = epoch_values_on_host
     trainer = Trainer(accelerator="neuron", strategy=strategy, max_epochs=max_epochs, default_root_dir=tmp_path,
                       logger=CSVLogger(tmp_path, name="logs"), log_every_n_steps=5, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
@@ -110,3 +112,20 @@ def test_lightning_errors_still_raise_after_the_fast_path_warmed_up(tmp_path, fa
 
     with pytest.raises(MisconfigurationException, match="twice in `training_step` with different arguments"):
         fit(tmp_path, fast_log=True, model_class=ChangesArguments, max_epochs=1)
+
+
+def test_epoch_values_computed_on_the_host_are_lightnings(tmp_path, monkeypatch):
+    """Hook 4: with the states copied to the host in one transfer, Lightning's own epoch-end computation logs exactly
+    the values it computes on the device (means, sums, max, a torchmetrics metric, two dataloaders)."""
+    from lightning_trn import _metric_states
+
+    on_host = []
+    real = _metric_states.epoch_values_on_host
+    monkeypatch.setattr(_logging_hooks, "epoch_values_on_host",
+                        lambda *args: on_host.append(len(_metric_states._epoch_states(args[0]))) or real(*args))
+    device = logged(fit(tmp_path / "device", fast_log=True, epoch_values_on_host=False))
+    assert on_host == []
+    host = logged(fit(tmp_path / "host", fast_log=True))
+    assert sum(on_host) >= 2 * 8  # both epochs' training values (loss_max, mae's states, ...) came from host copies
+    assert host == device
+    assert {type(value) for value in host["logged"].values()} == {float}

@@ -112,3 +112,37 @@ def test_on_neuron_it_runs_under_neuron_parallel_compile_and_graphs_only_saves_n
     assert (tmp_path / "wrapped").read_text().split() == [sys.executable, str(script), str(tmp_path)]
     assert not list((tmp_path / "ckpt").glob("*.ckpt"))  # fake outputs: no checkpoint written
     assert not list((tmp_path / "logs").rglob("*.csv"))  # and no metrics logged (the logger made its folder)
+
+
+#: the MLP recipe's job (bar, CSV logger, checkpoints, validation, test) with a compile cache; prints the cache counters
+RECIPE_SCRIPT = r'''
+import json, sys
+from lightning_trn.runtime import get_runtime
+from recipes import mlp
+from recipes.cli import load_config
+from recipes.common import fit
+
+out, cache = sys.argv[1], sys.argv[2]
+get_runtime().enable_compile_cache(cache)
+fit(mlp.RECIPE, load_config(mlp.RECIPE, [f"out_dir={out}", "trainer.max_epochs=2"]))
+print("RESULT " + json.dumps(get_runtime().compile_cache_counters()))
+'''
+
+
+@pytest.mark.slow
+def test_precompile_sees_every_graph_of_a_recipe_job(tmp_path):
+    """A few precompile steps of the MLP recipe's job put every graph the whole job compiles into the cache: the job
+    then misses none (on XLA:CPU a cached graph counts as `unloadable`, not as a miss: it cannot be deserialised)."""
+    script = tmp_path / "job.py"
+    script.write_text(RECIPE_SCRIPT)
+    cache = str(tmp_path / "cache")
+    run = [str(script), str(tmp_path / "out"), cache]
+    pre = subprocess.run([sys.executable, "-m", "lightning_trn.precompile", "--steps", "3", *run],
+                         env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    assert _result(pre.stdout)["misses"] == 3  # the evaluation step, the first and the steady training step
+    job = subprocess.run([sys.executable, *run], env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    counters = _result(job.stdout)
+    assert counters["misses"] == 0 and counters["unloadable"] == 3

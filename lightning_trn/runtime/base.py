@@ -128,6 +128,10 @@ class DeviceRuntime(ABC):
         """CPU copies of this backend's device `tensors`, in as few device->host transfers as the backend allows."""
         return [t.detach().cpu() for t in tensors]
 
+    def to_device(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """Copies of host `tensors` held in `device` memory, so graphs take them as inputs (never as constants)."""
+        return [t.to(device) for t in tensors]
+
     @abstractmethod
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         """Device memory figures the runtime offers (empty if it offers none)."""

@@ -124,6 +124,14 @@ class XlaRuntime(DeviceRuntime):
             return []
         return list(_import("torch_xla")._XLAC._xla_get_cpu_tensors([t.detach() for t in tensors]))
 
+    def to_device(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """`send_cpu_data_to_device` (as `MpDeviceLoader`), not `.to()`: torch_xla keeps a 0-dim tensor holding 0 or
+        +-1 moved by `.to()` as a graph constant, so the first graph it enters differs from every later one, which
+        takes the step's result as an input: one compile more."""
+        if not tensors:
+            return []
+        return list(_import("torch_xla.core.xla_model").send_cpu_data_to_device([t.detach() for t in tensors], device))
+
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         xm = _import("torch_xla.core.xla_model")
         try:

@@ -13,6 +13,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from torch.nn import Module
 
+from lightning_trn._metric_states import place_scalars
 from lightning_trn.plugins.io import NeuronCheckpointIO
 from lightning_trn.runtime import DeviceRuntime, get_runtime
 from lightning_trn.strategies.device_loader import DevicePrefetchLoader
@@ -76,8 +77,10 @@ class NeuronStrategyCore:
 
     def _move_keeping_ties(self, module: Module) -> None:
         """Move `module` to the device, keeping tied weights tied (moving between the host and the device creates new
-        Parameters, one per module that holds a shared one)."""
+        Parameters, one per module that holds a shared one), its 0-dim tensors as device buffers, not graph
+        constants (`lightning_trn._metric_states`)."""
         shared = find_shared_parameters(module)
+        place_scalars(module, self.root_device, self.runtime)  # type: ignore[attr-defined]
         module.to(self.root_device)  # type: ignore[attr-defined]
         set_shared_parameters(module, shared)
 

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from lightning_trn.runtime.collectives import Collectives, check_world_size
 from lightning_trn.runtime.environment import EnvironmentPatch
+from lightning_trn.runtime.host_collectives import HostCollectives
 
 
 @functools.cache  # registered once per process
@@ -76,6 +77,8 @@ class DataParallelCore:
         self._timeout = timeout
         self._env = EnvironmentPatch()
         self._collectives: Optional[Collectives] = None
+        #: host tensors' reductions, over the host (gloo) group
+        self._host_collectives: Optional[HostCollectives] = None
         #: gloo group for host-side objects, barriers and flags (None: the default group, already gloo)
         self._host_group: Optional[Any] = None
 
@@ -162,6 +165,7 @@ class DataParallelCore:
         if backend != "gloo":
             self._host_group = dist.new_group(backend="gloo", timeout=self._timeout)
         self._collectives = runtime.collectives(world_size, self._host_group)
+        self._host_collectives = HostCollectives(world_size, self._host_group)
 
     def _route_metric_syncs(self, model: Optional[Module]) -> None:
         """Give the module's torchmetrics metrics the collectives' gather where their default cannot work."""
@@ -194,11 +198,15 @@ class DataParallelCore:
         group: Optional[Any] = None,
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
-        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min; non-tensors are returned unchanged."""
+        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min (a host tensor over the host group);
+        non-tensors are returned unchanged."""
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
         if not _is_world(group):
             raise ValueError(f"{type(self).__name__} reduces over all processes; `group` is not supported.")
+        if tensor.device.type == "cpu":  # a host value (a loader length, a count): the host group, no device graph
+            assert self._host_collectives is not None
+            return self._host_collectives.all_reduce(tensor, reduce_op)
         return self.collectives.all_reduce(tensor, reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:

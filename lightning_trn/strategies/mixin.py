@@ -51,6 +51,11 @@ class NeuronStrategyMixin(NeuronStrategyCore):
     defer_progress_bar_metrics: bool = False
     #: read by `lightning_trn._logging_hooks`: repeated `self.log` calls update Lightning's stored result directly
     fast_log: bool = True
+    #: read by `lightning_trn._loop_shortcuts`: `reduce` takes host tensors (data-parallel: over the host group)
+    reduces_host_tensors: bool = True
+    #: read by `lightning_trn._logging_hooks`: epoch-level logged values are computed from host copies of their
+    #: states (one transfer), not as small graphs (in one-process runs)
+    epoch_values_on_host: bool = True
     _precision_plugin: Optional[Precision]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
