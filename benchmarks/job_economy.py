@@ -203,7 +203,7 @@ def run_expert(workload: str, start: float, overrides: Sequence[str] = ()) -> Jo
     """The same job written by hand for torch_xla (see the module docstring)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
-    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+    from torch_xla.distributed.parallel_loader import ParallelLoader
 
     with tempfile.TemporaryDirectory() as out:
         cfg, data, module = _build(workload, out, overrides)
@@ -215,10 +215,14 @@ def run_expert(workload: str, start: float, overrides: Sequence[str] = ()) -> Jo
 
         def batches(loader: Any, limit: Any) -> Any:
             count = len(loader) if isinstance(limit, float) else min(int(limit), len(loader))
-            for index, batch in enumerate(MpDeviceLoader(loader, device)):
-                if index == count:
-                    break
-                yield batch
+            parallel = ParallelLoader(loader, [device])  # what `MpDeviceLoader` iterates, kept to close it
+            try:
+                for index, batch in enumerate(parallel.per_device_loader(device)):
+                    if index == count:
+                        break
+                    yield batch
+            finally:  # a loader left mid-epoch keeps its threads: joined here, not killed at interpreter exit (abort)
+                parallel.close()
 
         @torch.no_grad()
         def evaluate(loader: Any, limit: Any) -> tuple[float, float]:
