@@ -101,6 +101,10 @@ class JobResult:
     wall_s: float
     test: dict[str, float]
 
+    def per_phase(self, counter: str) -> dict[str, int]:
+        """One runtime counter (`compiles`, `device_to_host`, ...) of each phase, in job order."""
+        return {phase: getattr(self.phases[phase].metrics, counter) for phase in PHASES}
+
 
 class _PhaseCallback(pl.Callback):
     """Moves the ledger from phase to phase at the Trainer's hooks; checkpoints through `trainer.save_checkpoint`."""

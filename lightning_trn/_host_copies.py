@@ -68,13 +68,13 @@ class HostCopies(TorchFunctionMode):
                     return host.clone()
                 self._handed_out.add(id(host))
                 return host
-        if func is torch.zeros and not isinstance(kwargs.get("device"), (type(None), int)):
-            device = torch.device(kwargs["device"])
-            if device.type in NEURON_DEVICE_TYPES:
-                host = func(*args, **{**kwargs, "device": "cpu"})
-                tensor = self._runtime.to_device([host], device)[0]
-                self._copies[id(tensor)] = (tensor, host)
-                return tensor
+        device = kwargs.get("device")
+        if (func is torch.zeros and isinstance(device, (str, torch.device))
+                and torch.device(device).type in NEURON_DEVICE_TYPES):
+            host = func(*args, **{**kwargs, "device": "cpu"})
+            tensor = self._runtime.to_device([host], torch.device(device))[0]
+            self._copies[id(tensor)] = (tensor, host)
+            return tensor
         return func(*args, **kwargs)
 
 

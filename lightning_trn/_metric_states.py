@@ -23,6 +23,8 @@ from torch.nn import Module
 
 from lightning_trn.runtime import DeviceRuntime, get_runtime
 
+#: device types of the Neuron backends (torch_xla's, and TorchNeuron's native device)
+NEURON_DEVICE_TYPES = ("xla", "neuron")
 #: id(metric) -> host copies of its tensor defaults, taken before it moved to a Neuron device; dropped with the
 #: metric. Not a metric attribute (Lightning's `_ResultMetric.to` moves every tensor in the instance's `__dict__`,
 #: and pickles would carry them), nor a weak-key dictionary (a metric's hash changes with its states).
@@ -33,8 +35,6 @@ def _remember_host_defaults(metric: Module, host: dict[str, torch.Tensor]) -> No
     if id(metric) not in _HOST_DEFAULTS:
         weakref.finalize(metric, _HOST_DEFAULTS.pop, id(metric), None)
     _HOST_DEFAULTS.setdefault(id(metric), {}).update(host)
-#: device types of the Neuron backends (torch_xla's, and TorchNeuron's native device)
-NEURON_DEVICE_TYPES = ("xla", "neuron")
 
 
 def metrics_of(module: Module) -> list[Any]:
@@ -113,6 +113,11 @@ def reset_from_host(reset: Any) -> Optional[Callable[[Any], None]]:
     return reset_uploading_defaults
 
 
+def _tensors_of(state: Any) -> list[Any]:
+    """A metric state's tensors: the state itself, or the items of a list state (`dist_reduce_fx="cat"`)."""
+    return state if isinstance(state, list) else [state]
+
+
 def _epoch_states(results: Any) -> list[tuple[Any, str, Any]]:
     """(owner, state name, value) of every state on a Neuron device that Lightning's epoch-end values of `results`
     are computed from: the sums of logged tensors, and the states of logged metrics (with their child metrics)."""
@@ -123,11 +128,10 @@ def _epoch_states(results: Any) -> list[tuple[Any, str, Any]]:
         owners = [result_metric] if result_metric.is_tensor else metrics_of(result_metric.value)
         for owner in owners:
             for name in owner._defaults:
-                value = getattr(owner, name)
-                tensors = value if isinstance(value, list) else [value]
+                tensors = _tensors_of(getattr(owner, name))
                 if tensors and all(isinstance(t, torch.Tensor) and t.device.type in NEURON_DEVICE_TYPES
                                    for t in tensors):
-                    states.append((owner, name, value))
+                    states.append((owner, name, getattr(owner, name)))
     return states
 
 
@@ -137,7 +141,7 @@ def epoch_values_on_host(results: Any, runtime: DeviceRuntime) -> Iterator[None]
     all fetched in one transfer, so they are computed on the host instead of as small graphs that each compile and
     are read one by one. The device states are back afterwards, for Lightning's reset."""
     states = _epoch_states(results)
-    flat = [t for _, _, value in states for t in (value if isinstance(value, list) else [value])]
+    flat = [t for _, _, value in states for t in _tensors_of(value)]
     host = iter(runtime.to_host(flat))
     for owner, name, value in states:
         setattr(owner, name, [next(host) for _ in value] if isinstance(value, list) else next(host))

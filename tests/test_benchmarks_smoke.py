@@ -60,16 +60,16 @@ def test_job_economy_twin_does_the_plugins_work_with_the_experts_costs():
     """The MLP recipe's whole job through the plugin and its hand-written twin (issue 19): the twin trains the same
     steps to the same test loss and accuracy, with the expert's graphs (materialising the module's states, first
     step, steady step, one evaluation step shared with test) and one transfer per epoch-mean read and checkpoint."""
-    from benchmarks.job_economy import PHASES, main
+    from benchmarks.job_economy import main
 
     ((plugin, expert),) = main(["--workloads", "mlp"]).values()
     assert plugin.phases["train"].steps == expert.phases["train"].steps == 1100
     assert plugin.test["test_acc"] == pytest.approx(expert.test["test_acc"], abs=1e-6)
     assert plugin.test["test_loss"] == pytest.approx(expert.test["test_loss"], abs=1e-5)
-    compiles = {phase: expert.phases[phase].metrics.compiles for phase in PHASES}
+    compiles = expert.per_phase("compiles")
     assert compiles == {"setup": 0, "train": 3, "validation": 1, "epoch end": 0, "checkpoint": 0, "test": 0,
                         "teardown": 0}
-    transfers = {phase: expert.phases[phase].metrics.device_to_host for phase in PHASES}
+    transfers = expert.per_phase("device_to_host")
     assert transfers == {"setup": 0, "train": 0, "validation": 10, "epoch end": 10, "checkpoint": 10, "test": 1,
                          "teardown": 0}
     assert sum(p.metrics.compiles for p in plugin.phases.values()) > 0  # measured on the plugin side too

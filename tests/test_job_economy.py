@@ -71,13 +71,13 @@ def test_a_recipe_job_compiles_and_moves_what_it_must_per_phase():
     2 epochs, each side in a fresh process: the plugin compiles one evaluation graph (shared by validation and test)
     and two training graphs (first step, steady step), reads nothing with `.item()`, and moves to the host once per
     epoch-end value set, per checkpoint file and per teardown."""
-    from benchmarks.job_economy import PHASES, main
+    from benchmarks.job_economy import main
 
     ((plugin, expert),) = main(["--workloads", "mlp", "--set", *SHORT_JOB]).values()
-    compiles = {phase: plugin.phases[phase].metrics.compiles for phase in PHASES}
+    compiles = plugin.per_phase("compiles")
     assert compiles == {"setup": 1, "train": 2, "validation": 0, "epoch end": 0, "checkpoint": 0, "test": 0,
                         "teardown": 0}
-    transfers = {phase: plugin.phases[phase].metrics.device_to_host for phase in PHASES}
+    transfers = plugin.per_phase("device_to_host")
     # setup: the sanity check's values; per epoch: the validation values, the training values, last.ckpt and the
     # epoch's checkpoint file; test: its values; teardown: fit's and test's moves to the host
     assert transfers == {"setup": 1, "train": 0, "validation": 2, "epoch end": 2, "checkpoint": 4, "test": 1,
