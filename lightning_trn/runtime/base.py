@@ -34,6 +34,9 @@ class RuntimeMetrics:
     host_to_device: int = 0
     #: `.item()`-style reads of a device scalar: each one blocks the host on the device.
     scalar_reads: int = 0
+    #: times the host waited for the device: reads to the host that block (on XLA every transfer), `.item()`,
+    #: synchronize calls. Copies queued without waiting (`non_blocking`, native) are transfers but no host sync.
+    host_syncs: int = 0
     #: ops the runtime could not lower and ran on the host instead, by name (`aten::nonzero` ...).
     cpu_fallbacks: dict[str, int] = field(default_factory=dict)
 

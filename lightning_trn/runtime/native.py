@@ -66,6 +66,16 @@ class NativeRuntime(DeviceRuntime):
     def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
         return (move_data_to_device(batch, device) for batch in dataloader)
 
+    def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU copies of `tensors` for one host sync: each copy is queued without waiting (into pinned memory, which
+        PyTorch allocates for a `non_blocking` copy to the host), then the host waits once for the devices they
+        came from, as an expert's CUDA code does. One blocking `.cpu()` per tensor would be a host sync each."""
+        copies = [t.detach().to("cpu", non_blocking=True) for t in tensors]
+        module = torch.get_device_module(self.device_type)
+        for device in {t.device for t in tensors if t.device.type == self.device_type}:
+            module.synchronize(device)
+        return copies
+
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         try:
             return dict(torch.get_device_module(self.device_type).memory_stats(device))
@@ -73,8 +83,8 @@ class NativeRuntime(DeviceRuntime):
             return {}
 
     def metrics(self) -> RuntimeMetrics:
-        """Graphs `torch.compile` built (Dynamo's count, any backend); device reads and CPU-fallback ops as the
-        stand-in counts them (TorchNeuron offers no such counters: zeros there)."""
+        """Graphs `torch.compile` built (Dynamo's count, any backend); device reads, host syncs and CPU-fallback ops
+        as the stand-in counts them (TorchNeuron offers no such counters: zeros there)."""
         dynamo = sys.modules.get("torch._dynamo.utils")  # never imported from here: only if torch.compile ran
         compiles = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
         standin = _standin()
@@ -83,7 +93,8 @@ class NativeRuntime(DeviceRuntime):
         counts = standin.counters()
         return RuntimeMetrics(
             compiles=compiles, device_to_host=counts["device_to_host"], host_to_device=counts["host_to_device"],
-            scalar_reads=counts["scalar_reads"], cpu_fallbacks=standin.host_op_counts(),
+            scalar_reads=counts["scalar_reads"], host_syncs=counts["host_syncs"],
+            cpu_fallbacks=standin.host_op_counts(),
         )
 
     def autocast(self, dtype: torch.dtype) -> AbstractContextManager:

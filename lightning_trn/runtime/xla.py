@@ -159,10 +159,12 @@ class XlaRuntime(DeviceRuntime):
         for name in met.counter_names():
             if name.startswith("aten::") and name != _SCALAR_READ_COUNTER:
                 fallbacks[name] = int(met.counter_value(name) or 0)
+        transfers = count("TransferFromDeviceTime")
         return RuntimeMetrics(
             compiles=count("CompileTime"),
             executions=count("ExecuteTime"),
-            device_to_host=count("TransferFromDeviceTime"),
+            device_to_host=transfers,
+            host_syncs=transfers,  # each transfer (`.item()` included) waits for the graphs that produce its data
             host_to_device=count("TransferToDeviceTime"),
             scalar_reads=int(met.counter_value(_SCALAR_READ_COUNTER) or 0),
             cpu_fallbacks=fallbacks,

@@ -136,9 +136,11 @@ def _loaded() -> ModuleType:
 
 
 def counters() -> dict[str, int]:
-    """Device->host copies, host->device copies and scalar reads (`.item()`) since the last reset.
+    """Device->host copies, host->device copies, scalar reads (`.item()`) and host syncs since the last reset.
 
-    The fallback's own copies are not counted: a real device would run those ops where the data is.
+    Host syncs are the waits an asynchronous device would impose on the host: copies to the host that are not
+    `non_blocking`, scalar reads and synchronize calls (`torch.neuron.synchronize()`, `torch.accelerator`'s, streams'
+    and events'). The fallback's own copies are not counted: a real device would run those ops where the data is.
     """
     return _loaded().counters()
 

@@ -78,8 +78,10 @@ class device:
 
 
 def synchronize(device: DeviceLike = None) -> None:
-    """Wait for the device: the stand-in runs every op before returning, so there is nothing to wait for."""
+    """Wait for the device: the stand-in runs every op before returning, so there is nothing to wait for, but the
+    wait is counted as the host sync it would be on an asynchronous device (`counters()["host_syncs"]`)."""
     _index(device)
+    _ext.synchronize()
 
 
 # --- random numbers: each device has its own generator, which device ops draw from.

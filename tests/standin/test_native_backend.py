@@ -53,7 +53,7 @@ def test_runtime_metrics_are_the_stand_in_counters() -> None:
     x.sum().item()
     x.cpu()
     delta = get_runtime().metrics() - before
-    assert (delta.scalar_reads, delta.device_to_host, delta.compiles) == (1, 1, 0)
+    assert (delta.scalar_reads, delta.device_to_host, delta.host_syncs, delta.compiles) == (1, 1, 2, 0)
     assert delta.cpu_fallbacks == {}  # the stand-in serves every op on the host, but none is a CPU-fallback op
     with standin.host_ops(["aten::sum"]):  # now sum runs as TorchNeuron runs ops it has no kernel for
         x.sum()
@@ -61,6 +61,22 @@ def test_runtime_metrics_are_the_stand_in_counters() -> None:
     assert delta.cpu_fallbacks == {"aten::sum.IntList_out": 1} == standin.host_op_counts()
     # its input and its out= buffer copied to the host, the result copied back
     assert (delta.device_to_host - 1, delta.host_to_device) == (2, 1)
+
+
+def test_tensors_come_to_the_host_for_one_host_sync() -> None:
+    """`to_host` (checkpoints, epoch-end values, teardown) queues every copy and waits once; the copies are exact,
+    whatever their dtype and shape."""
+    device = get_runtime().device()
+    tensors = [torch.randn(3, 4, device=device), torch.tensor(7, device=device), torch.ones(2, dtype=torch.bfloat16,
+               device=device), torch.tensor([True, False], device=device)]
+    before = get_runtime().metrics()
+    copies = get_runtime().to_host(tensors)
+    delta = get_runtime().metrics() - before
+    assert (delta.device_to_host, delta.host_syncs) == (4, 1)
+    assert all(c.device.type == "cpu" and c.dtype == t.dtype for c, t in zip(copies, tensors))
+    blocking = [t.cpu() for t in tensors]
+    assert all(torch.equal(c, b) for c, b in zip(copies, blocking))
+    assert get_runtime().to_host([]) == [] and (get_runtime().metrics() - before).host_syncs == 1 + len(tensors)
 
 
 def test_boring_model_trains_on_the_neuron_device(tmp_path) -> None:

@@ -3,8 +3,10 @@
 // Device memory is host memory. A handful of kernels are native to the device (creation, views, copies, scalar
 // reads, dropout); every other op runs on the CPU through a boxed fallback that first checks that the op does not
 // mix devices, as a real accelerator would refuse to. Counters record device->host copies, scalar reads and the ops
-// the fallback served, by name; ops named in set_host_ops() act as the real device's CPU-fallback ops (their copies
-// count as transfers); strict mode raises on any device->host read. Written against PyTorch 2.13.
+// the fallback served, by name, and host syncs: the waits for the device that an asynchronous device would have
+// (blocking copies to the host, scalar reads, synchronize calls; a `non_blocking` copy into pinned memory is a
+// transfer but no wait). Ops named in set_host_ops() act as the real device's CPU-fallback ops (their copies count
+// as transfers); strict mode raises on any device->host read. Written against PyTorch 2.13.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
@@ -56,6 +58,7 @@ void check_index(DeviceIndex index) {
 std::atomic<int64_t> g_device_to_host{0};
 std::atomic<int64_t> g_host_to_device{0};
 std::atomic<int64_t> g_scalar_reads{0};
+std::atomic<int64_t> g_host_syncs{0};
 std::atomic<bool> g_strict{false};
 std::mutex g_fallback_mutex;
 std::map<std::string, int64_t> g_fallback_counts;
@@ -75,6 +78,11 @@ void on_device_read(const char* what, const at::Tensor& tensor, std::atomic<int6
       ") happened inside lightning_trn.standin.strict(). On a real Neuron device it would stall the host "
       "until the device catches up; move the read out of the step or to a logging point.");
   counter++;
+}
+
+// The host waits for the device: what stalls an asynchronous device's host thread (not the fallback's plumbing).
+void on_host_sync() {
+  if (!t_in_fallback) g_host_syncs++;
 }
 
 // ---------------------------------------------------------------------------------------------- allocator
@@ -176,6 +184,50 @@ void HostMemoryAllocator::deleter(void* ptr) {
 
 REGISTER_ALLOCATOR(kNeuron, &g_allocator);
 
+// Pinned (page-locked) host memory, which a real device copies to and from without the host waiting: PyTorch
+// allocates it for `pin_memory()` and for `.to("cpu", non_blocking=True)`. Plain host memory here, remembered so
+// that `is_pinned()` is true for it.
+class PinnedHostAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* data = nullptr;
+    if (nbytes > 0) {
+      data = std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
+      TORCH_CHECK_WITH(OutOfMemoryError, data != nullptr, "neuron stand-in: out of host memory pinning ", nbytes,
+                       " bytes");
+      std::lock_guard<std::mutex> lock(mutex_);
+      sizes_[data] = nbytes;
+    }
+    return {data, data, &PinnedHostAllocator::deleter, Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &PinnedHostAllocator::deleter; }
+  void copy_data(void* dest, const void* src, std::size_t count) const final { std::memcpy(dest, src, count); }
+
+  bool contains(const void* ptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sizes_.upper_bound(ptr);
+    if (it == sizes_.begin()) return false;
+    --it;
+    return static_cast<const char*>(ptr) < static_cast<const char*>(it->first) + it->second;
+  }
+
+ private:
+  static void deleter(void* ptr);
+  std::mutex mutex_;
+  std::map<const void*, size_t> sizes_;
+};
+
+PinnedHostAllocator g_pinned_allocator;
+
+void PinnedHostAllocator::deleter(void* ptr) {
+  if (ptr == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_allocator.mutex_);
+    g_pinned_allocator.sizes_.erase(ptr);
+  }
+  std::free(ptr);
+}
+
 // ---------------------------------------------------------------------------------------------- guard, streams, events
 // The stand-in is synchronous: one default stream per device, events carry the host time they were recorded at.
 struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
@@ -210,10 +262,10 @@ struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void block(void*, const c10::Stream&) const override {}
   bool queryEvent(void*) const override { return true; }
   void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<double*>(event); }
-  void synchronizeEvent(void*) const override {}
+  void synchronizeEvent(void*) const override { on_host_sync(); }
   bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeDevice(const DeviceIndex) const override {}
+  void synchronizeStream(const c10::Stream&) const override { on_host_sync(); }
+  void synchronizeDevice(const DeviceIndex) const override { on_host_sync(); }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void* start, void* end, const DeviceIndex) const override {
     TORCH_CHECK(start && end, "both events must be recorded before elapsed_time()");
@@ -277,7 +329,8 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
     return old;
   }
   DeviceIndex maybeExchangeDevice(DeviceIndex d) const override { return exchangeDevice(d); }
-  bool isPinnedPtr(const void*) const override { return false; }
+  bool isPinnedPtr(const void* data) const override { return g_pinned_allocator.contains(data); }
+  at::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   // Storage resizing in place (FSDP2 frees and re-allocates its unsharded parameters this way).
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t new_size) const override {
     TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
@@ -348,7 +401,10 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
-  if (self.is_privateuseone() && dst.is_cpu()) on_device_read("copy to the host", self, g_device_to_host);
+  if (self.is_privateuseone() && dst.is_cpu()) {
+    on_device_read("copy to the host", self, g_device_to_host);
+    if (!non_blocking) on_host_sync();
+  }
   if (self.is_cpu() && dst.is_privateuseone() && !t_in_fallback) g_host_to_device++;
   at::Tensor dst_host = host_alias(dst);
   at::native::copy_(dst_host, host_alias(self), non_blocking);
@@ -362,6 +418,7 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
   on_device_read("scalar read (.item())", self, g_scalar_reads);
+  on_host_sync();
   return at::native::_local_scalar_dense_cpu(host_alias(self));
 }
 
@@ -480,6 +537,7 @@ pybind11::dict counters() {
   out["device_to_host"] = g_device_to_host.load();
   out["host_to_device"] = g_host_to_device.load();
   out["scalar_reads"] = g_scalar_reads.load();
+  out["host_syncs"] = g_host_syncs.load();
   return out;
 }
 
@@ -504,6 +562,7 @@ void reset_counters() {
   g_device_to_host = 0;
   g_host_to_device = 0;
   g_scalar_reads = 0;
+  g_host_syncs = 0;
   std::lock_guard<std::mutex> lock(g_fallback_mutex);
   g_fallback_counts.clear();
   g_host_op_counts.clear();
@@ -572,6 +631,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_op_counts", &standin::host_op_counts);
   m.def("set_host_ops", &standin::set_host_ops);
   m.def("reset_counters", &standin::reset_counters);
+  m.def("synchronize", &standin::on_host_sync, "Wait for the device (the stand-in never runs behind): a host sync.");
   m.def("set_strict", [](bool on) { return standin::g_strict.exchange(on); });
   standin::bind_distributed(m);
 }
