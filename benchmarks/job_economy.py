@@ -68,6 +68,11 @@ class PhaseCost:
     cpu_s: float = 0.0
     steps: int = 0
 
+    @property
+    def cpu_s_per_step(self) -> float:
+        """Main-thread CPU seconds per training step counted in the phase (0 without steps)."""
+        return self.cpu_s / self.steps if self.steps else 0.0
+
 
 class Ledger:
     """Attributes counters and main-thread CPU time to the current phase. `enter(phase)` closes the current one:
@@ -323,7 +328,7 @@ def _row(result: JobResult, phase: str) -> list[Any]:
     cost = result.phases[phase]
     m = cost.metrics
     fallbacks = sum(m.cpu_fallbacks.values())
-    cpu = f"{1e3 * cost.cpu_s / cost.steps:.2f} /step" if phase == "train" and cost.steps else f"{1e3 * cost.cpu_s:.0f}"
+    cpu = f"{1e3 * cost.cpu_s_per_step:.2f} /step" if phase == "train" and cost.steps else f"{1e3 * cost.cpu_s:.0f}"
     return [result.side, phase, m.compiles, m.executions, m.device_to_host, m.host_syncs, m.scalar_reads, fallbacks,
             cpu]
 
@@ -344,8 +349,7 @@ SYNC_COUNTERS = {"xla": ("device->host transfers", "device_to_host"), "native": 
 def targets(plugin: JobResult, expert: JobResult, backend: Optional[str] = None) -> list[list[Any]]:
     """Issue 19's targets on `backend` (default: this process's): [target, plugin's figure, limit, met]."""
     p, e = _total(plugin), _total(expert)
-    train_p, train_e = plugin.phases["train"], expert.phases["train"]
-    per_step = [c.cpu_s / c.steps if c.steps else 0.0 for c in (train_p, train_e)]
+    per_step = [result.phases["train"].cpu_s_per_step for result in (plugin, expert)]
     sync_name, sync_counter = SYNC_COUNTERS[backend or get_runtime().name]
     rows = [
         ["graphs compiled <= the twin's", p.compiles, e.compiles],
@@ -366,7 +370,7 @@ def summary(workload: str, plugin: JobResult, expert: JobResult) -> str:
     rows = [_row(result, phase) for phase in PHASES for result in (plugin, expert)]
     p, e = _total(plugin), _total(expert)
     train_p, train_e = plugin.phases["train"], expert.phases["train"]
-    per_step = [c.cpu_s / c.steps if c.steps else 0.0 for c in (train_p, train_e)]
+    per_step = [train_p.cpu_s_per_step, train_e.cpu_s_per_step]
     totals = format_table(
         ["per job", "plugin", "expert", "plugin / expert"],
         [["graphs compiled", p.compiles, e.compiles, _ratio(p.compiles, e.compiles)],

@@ -91,6 +91,24 @@ struct Block {
   DeviceIndex device;
 };
 
+// 64-byte aligned host memory for `nbytes` (> 0) bytes; `what` names the allocation in the out-of-memory error.
+void* allocate_host(size_t nbytes, const char* what) {
+  void* data = std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
+  TORCH_CHECK_WITH(OutOfMemoryError, data != nullptr, "neuron stand-in: out of host memory ", what, " ", nbytes,
+                   " bytes");
+  return data;
+}
+
+// The entry of `blocks` (keyed by start address) whose block holds `ptr`, or nullptr; `size` gives an entry's bytes.
+template <typename Entry, typename Size>
+const Entry* block_holding(const std::map<const void*, Entry>& blocks, const void* ptr, Size size) {
+  auto it = blocks.upper_bound(ptr);
+  if (it == blocks.begin()) return nullptr;
+  --it;
+  return static_cast<const char*>(ptr) < static_cast<const char*>(it->first) + size(it->second) ? &it->second
+                                                                                                 : nullptr;
+}
+
 class HostMemoryAllocator final : public c10::DeviceAllocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
@@ -98,9 +116,7 @@ class HostMemoryAllocator final : public c10::DeviceAllocator {
     check_index(device);
     void* data = nullptr;
     if (nbytes > 0) {
-      data = std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
-      TORCH_CHECK_WITH(OutOfMemoryError, data != nullptr, "neuron stand-in: out of host memory allocating ",
-                       nbytes, " bytes");
+      data = allocate_host(nbytes, "allocating");
       std::lock_guard<std::mutex> lock(mutex_);
       blocks_[data] = Block{nbytes, device};
       update(device, static_cast<int64_t>(nbytes), 1);
@@ -137,12 +153,9 @@ class HostMemoryAllocator final : public c10::DeviceAllocator {
   // The device a pointer into device memory belongs to (for `getDeviceFromPtr`).
   std::optional<DeviceIndex> device_of(const void* ptr) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = blocks_.upper_bound(ptr);
-    if (it == blocks_.begin()) return std::nullopt;
-    --it;
-    const char* base = static_cast<const char*>(it->first);
-    if (static_cast<const char*>(ptr) < base + it->second.size) return it->second.device;
-    return std::nullopt;
+    const Block* block = block_holding(blocks_, ptr, [](const Block& b) { return b.size; });
+    if (block == nullptr) return std::nullopt;
+    return block->device;
   }
 
  private:
@@ -192,9 +205,7 @@ class PinnedHostAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     void* data = nullptr;
     if (nbytes > 0) {
-      data = std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
-      TORCH_CHECK_WITH(OutOfMemoryError, data != nullptr, "neuron stand-in: out of host memory pinning ", nbytes,
-                       " bytes");
+      data = allocate_host(nbytes, "pinning");
       std::lock_guard<std::mutex> lock(mutex_);
       sizes_[data] = nbytes;
     }
@@ -205,10 +216,7 @@ class PinnedHostAllocator final : public c10::Allocator {
 
   bool contains(const void* ptr) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = sizes_.upper_bound(ptr);
-    if (it == sizes_.begin()) return false;
-    --it;
-    return static_cast<const char*>(ptr) < static_cast<const char*>(it->first) + it->second;
+    return block_holding(sizes_, ptr, [](size_t nbytes) { return nbytes; }) != nullptr;
   }
 
  private:
