@@ -15,7 +15,11 @@ step done and the wall time. Each side runs in a fresh process, so neither finds
 targets are issue 19's: on XLA the transfers count, natively the host syncs (transfers queued without waiting are
 cheap there).
 
+`--floor` adds a third run: the plugin's job with Lightning's per-step machinery left out (`_bare_advance`), the host
+time per training step that no fix to that machinery could go below.
+
     PJRT_DEVICE=CPU python -m benchmarks.job_economy                      # MLP, the recipe's default job (~1 min)
+    PJRT_DEVICE=CPU python -m benchmarks.job_economy --floor              # and the bare-loop floor (~1.5 min)
     PJRT_DEVICE=CPU python -m benchmarks.job_economy --workloads vit bert  # shortened jobs, counts
     LIGHTNING_TRN_STANDIN=1 .venv-native/bin/python -m benchmarks.job_economy  # native, on the stand-in
 """
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -182,17 +187,64 @@ def _build(workload: str, out: str, overrides: Sequence[str] = ()) -> tuple[Any,
     return cfg, recipe.build_data(cfg), recipe.build_model(cfg)
 
 
-def run_plugin(workload: str, start: float, overrides: Sequence[str] = ()) -> JobResult:
-    """The recipe's job: `recipes.common.build_trainer` (bar, CSV logger, `last.ckpt`), `fit`, then `test`."""
+def run_plugin(workload: str, start: float, overrides: Sequence[str] = (), bare_loop: bool = False) -> JobResult:
+    """The recipe's job: `recipes.common.build_trainer` (bar, CSV logger, `last.ckpt`), `fit`, then `test`.
+    `bare_loop`: its training steps through `_bare_advance` instead of Lightning's loop (a measurement, see there)."""
     with tempfile.TemporaryDirectory() as out:
         cfg, data, module = _build(workload, out, overrides)
         ledger = Ledger()
         trainer = build_trainer(cfg)
         trainer.callbacks.insert(0, _PhaseCallback(ledger, start))
+        if bare_loop:
+            trainer.fit_loop.epoch_loop.advance = types.MethodType(_bare_advance, trainer.fit_loop.epoch_loop)
         trainer.fit(module, datamodule=data)
         results = trainer.test(module, datamodule=data, verbose=False)[0]
         ledger.enter("teardown")
-    return JobResult("plugin", ledger.phases, ledger.first_step_done or 0.0, time.monotonic() - start, results)
+    return JobResult("plugin, bare loop" if bare_loop else "plugin", ledger.phases, ledger.first_step_done or 0.0,
+                     time.monotonic() - start, results)
+
+
+def _bare_advance(loop: Any, data_fetcher: Any) -> None:
+    """One training step of the recipe's job with Lightning's per-step machinery left out: what the plugin's step
+    would cost if Lightning's hook dispatch, closure, optimizer/precision/strategy layers and progress counters cost
+    nothing. It keeps the job's own per-step work: the batch fetch, the callbacks' batch hooks (bar, checkpoint),
+    `training_step` (the recipe's metric update and `self.log` calls, through the plugin's logging hooks), zero_grad,
+    backward, the optimizer step, the plugin's graph cut and the logger connector. A floor to measure against, not
+    a loop to train with: only the recipe's plain case (automatic optimization, one optimizer, no accumulation,
+    clipping, schedulers or overridden module hooks)."""
+    trainer = loop.trainer
+    module, strategy, connector = trainer.lightning_module, trainer.strategy, trainer._logger_connector
+    batch, _, _ = next(data_fetcher)
+    batch_idx = loop.batch_idx + 1
+    loop.batch_progress.is_last_batch = data_fetcher.done
+    batch = strategy.batch_to_device(batch, dataloader_idx=0)
+    loop.batch_progress.increment_ready()
+    connector.on_batch_start(batch)
+    _bare_callback_hooks(trainer, "on_train_batch_start", batch, batch_idx)
+    strategy.on_train_batch_start(batch, batch_idx)
+    loop.batch_progress.increment_started()
+    optimizer = trainer.optimizers[0]
+    module._current_fx_name = "training_step"
+    with strategy.precision_plugin.train_step_context():
+        loss = module.training_step(batch, batch_idx)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    strategy.runtime.sync()
+    strategy._cut_after_step = True
+    loop.automatic_optimization.optim_progress.optimizer.step.increment_completed()
+    loop.batch_progress.increment_processed()
+    _bare_callback_hooks(trainer, "on_train_batch_end", {"loss": loss.detach()}, batch, batch_idx)
+    connector.on_batch_end()
+    loop.batch_progress.increment_completed()
+    connector.update_train_step_metrics()
+
+
+def _bare_callback_hooks(trainer: pl.Trainer, hook: str, *args: Any) -> None:
+    """The callbacks that override `hook`, called directly."""
+    for callback in trainer.callbacks:
+        if getattr(type(callback), hook) is not getattr(pl.Callback, hook):
+            getattr(callback, hook)(trainer, trainer.lightning_module, *args)
 
 
 class _Totals:
@@ -396,7 +448,10 @@ def _run_side(side: str, workload: str, spawned_at: float, path: str, overrides:
     """In a child process: run one side's job and write its result to `path` (JSON)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = (run_plugin if side == "plugin" else run_expert)(workload, spawned_at, overrides)
+        if side == "expert":
+            result = run_expert(workload, spawned_at, overrides)
+        else:
+            result = run_plugin(workload, spawned_at, overrides, bare_loop=side == "floor")
     phases = {name: {"metrics": asdict(cost.metrics), "cpu_s": cost.cpu_s, "steps": cost.steps}
               for name, cost in result.phases.items()}
     Path(path).write_text(json.dumps({**asdict(result), "phases": phases}))
@@ -415,24 +470,39 @@ def _spawn(side: str, workload: str, overrides: Sequence[str]) -> JobResult:
     return JobResult(phases=phases, **data)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, JobResult]]:
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, ...]]:
+    """Per workload: the plugin's and the twin's results, and with `--floor` the bare loop's after them."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.job_economy", description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", choices=list(JOBS), default=["mlp"])
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe config overrides for both sides' jobs, e.g. trainer.max_epochs=2")
-    parser.add_argument("--side", choices=("plugin", "expert"), help=argparse.SUPPRESS)  # a child's run
+    parser.add_argument("--floor", action="store_true",
+                        help="also run the plugin's job with Lightning's per-step machinery left out (`_bare_advance`): "
+                             "the host time per step the plugin could reach if that machinery cost nothing")
+    parser.add_argument("--side", choices=("plugin", "expert", "floor"), help=argparse.SUPPRESS)  # a child's run
     parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side:
         _run_side(args.side, args.workloads[0], args.spawned_at, args.result, args.set)
         return {}
-    results = {workload: (_spawn("plugin", workload, args.set), _spawn("expert", workload, args.set))
-               for workload in args.workloads}
+    sides = ("plugin", "expert", "floor") if args.floor else ("plugin", "expert")
+    results = {workload: tuple(_spawn(side, workload, args.set) for side in sides) for workload in args.workloads}
     print(f"\n{describe_machine()}\n")
-    for workload, (plugin, expert) in results.items():
+    for workload, (plugin, expert, *floor) in results.items():
         print(summary(workload, plugin, expert))
+        if floor:
+            print(floor_summary(plugin, floor[0], expert))
     return results
+
+
+def floor_summary(plugin: JobResult, floor: JobResult, expert: JobResult) -> str:
+    """Host time per training step of the plugin, its bare-loop floor and the twin, as Markdown."""
+    per_step = {result.side: result.phases["train"].cpu_s_per_step for result in (plugin, floor, expert)}
+    return format_table(
+        ["main-thread CPU per training step", "ms", "/ expert"],
+        [[side, f"{1e3 * seconds:.2f}", _ratio(seconds, per_step[expert.side])] for side, seconds in per_step.items()],
+    ) + "\n"
 
 
 if __name__ == "__main__":

@@ -161,7 +161,9 @@ def _update_stored(stored: _StoredLog, value: Any, results: Any, batch_size: Opt
     if isinstance(value, torch.Tensor):
         if not result_metric.is_tensor or value.device != device or value.numel() != 1:
             return False
-        value = value.clone().detach().squeeze()  # `LightningModule.__to_tensor`
+        # `LightningModule.__to_tensor`, op for op: an epoch's first call goes through Lightning, and on XLA a step
+        # whose value went through here must trace the same graph (without the clone: 2 more compiles per job)
+        value = value.clone().detach().squeeze()
     elif value is not result_metric.value or value.device != device:
         return False
     batch_size = results._extract_batch_size(result_metric, batch_size, result_metric.meta)

@@ -33,6 +33,7 @@ class LogsEverything(LightningModule):
         self.log("loss_sum", loss, on_step=False, on_epoch=True, reduce_fx="sum")
         self.log("loss_max", loss, on_epoch=True, reduce_fx="max", logger=True)
         self.log("prediction", prediction.mean(), on_epoch=True, batch_size=7)
+        self.log("first_prediction", prediction[0], on_step=False, on_epoch=True)  # shape (1,): stored 0-dim
         self.log("mae", self.mean_abs_error, on_step=False, on_epoch=True, prog_bar=True)
         self.log_dict({"double": loss * 2, "triple": loss * 3}, on_step=False, on_epoch=True)
         return loss
@@ -77,6 +78,7 @@ def logged(trainer: Trainer) -> dict:
         "logged": convert_tensors_to_scalars(dict(trainer.logged_metrics)),
         "callback": convert_tensors_to_scalars(dict(trainer.callback_metrics)),
         "progress_bar": convert_tensors_to_scalars(dict(trainer.progress_bar_metrics)),
+        "shapes": {key: tuple(value.shape) for key, value in trainer.callback_metrics.items()},
         "csv": rows,
     }
 
@@ -86,9 +88,10 @@ def test_fast_path_logs_exactly_what_lightning_logs(tmp_path, fast_path_calls):
     assert fast_path_calls == []  # switched off: every call went through Lightning
 
     fast = logged(fit(tmp_path / "fast", fast_log=True))
-    # 10 train steps (the last one of 6 rows) x 7 calls x 2 epochs: all but the first call of each key per epoch are fast
-    assert fast_path_calls.count(True) >= 7 * 9 * 2
+    # 10 train steps (the last one of 6 rows) x 8 calls x 2 epochs: all but the first call of each key per epoch are fast
+    assert fast_path_calls.count(True) >= 8 * 9 * 2
     assert set(fast["logged"]) >= {"loss_step", "loss_epoch", "loss_sum", "loss_max_epoch", "prediction_step", "mae",
+                                   "first_prediction",
                                    "double", "triple", "val_loss/dataloader_idx_0", "val_loss/dataloader_idx_1"}
     assert fast == lightning
 
