@@ -74,16 +74,25 @@ class NeuronCompileCache(Callback):
         return self.local_dir
 
     def enable(self) -> bool:
-        """Pull from S3 (if configured) and point the runtime's cache here; False, with a warning, if too late."""
+        """Pull from S3 (if configured) and point the runtime's cache here; False, with a warning, if too late or if
+        the backend has no such cache (the native one: nothing is pulled, created or pushed then)."""
         if self.cache_dir is not None:
             return True
+        runtime = get_runtime()
+        if not runtime.has_compile_cache:
+            rank_zero_warn(
+                f"NeuronCompileCache: the {runtime.name} backend has no compile cache this callback can set "
+                "(TorchNeuron compiles op by op, and `torch.compile` graphs under its own `TORCH_NEURONX_*` "
+                "settings); it does nothing in this run. Leave it out on Trn2/Trn3 (docs/torchneuron.md)."
+            )
+            return False
         if self._store is not None and self._pull and not self._pulled:
             self.pull()
         cache_dir = self.resolve_cache_dir()
         os.makedirs(cache_dir, exist_ok=True)
         if cc_flag_value(os.environ.get(NEURON_CC_FLAGS, ""), "--cache_dir") is not None:
             rank_zero_warn(f"NeuronCompileCache: `--cache_dir` in {NEURON_CC_FLAGS} overrides the cache {cache_dir}.")
-        if not get_runtime().enable_compile_cache(cache_dir):
+        if not runtime.enable_compile_cache(cache_dir):
             rank_zero_warn(
                 f"NeuronCompileCache: could not enable the compile cache at {cache_dir}: this process already "
                 "compiled graphs, so the runtime's compile cache is already set. Graphs compile without it. Call "
@@ -176,6 +185,9 @@ class NeuronCompileCache(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not get_runtime().has_compile_cache:
+            self.enable()  # warns that there is nothing to do: no pull from S3 either
+            return
         for callback in trainer.callbacks:  # the flags name the XLA:CPU cache directory: set them first
             if isinstance(callback, NeuronCompilerFlags):
                 callback.apply()

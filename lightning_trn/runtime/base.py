@@ -77,6 +77,8 @@ class DeviceRuntime(ABC):
     device_type: str = ""
     #: what this backend runs on where there are no NeuronCores (messages and reports)
     cpu_platform: str = ""
+    #: whether the backend has a persistent compile cache that `enable_compile_cache` points somewhere
+    has_compile_cache: bool = False
 
     @abstractmethod
     def is_installed(self) -> bool:
@@ -211,7 +213,7 @@ class DeviceRuntime(ABC):
         """Point the backend's persistent compile cache at local directory `path` for the rest of this process.
 
         Returns False, changing nothing, when this process already compiled and the cache can no longer be set
-        (or the backend has no persistent compile cache).
+        (or the backend has no persistent compile cache: `has_compile_cache`).
         """
         return False
 

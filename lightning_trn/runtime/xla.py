@@ -76,6 +76,7 @@ class XlaRuntime(DeviceRuntime):
     name = "xla"
     device_type = "xla"
     cpu_platform = "XLA:CPU"
+    has_compile_cache = True
 
     def __init__(self) -> None:
         self._platform: Optional[Platform] = None
