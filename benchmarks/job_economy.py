@@ -44,6 +44,8 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loops.fetchers import _DataFetcher
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from benchmarks._harness import describe_machine, format_table, wait_for_device
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
@@ -204,15 +206,16 @@ def run_plugin(workload: str, start: float, overrides: Sequence[str] = (), bare_
                      time.monotonic() - start, results)
 
 
-def _bare_advance(loop: Any, data_fetcher: Any) -> None:
+def _bare_advance(loop: _TrainingEpochLoop, data_fetcher: _DataFetcher) -> None:
     """One training step of the recipe's job with Lightning's per-step machinery left out: what the plugin's step
-    would cost if Lightning's hook dispatch, closure, optimizer/precision/strategy layers and progress counters cost
-    nothing. It keeps the job's own per-step work: the batch fetch, the callbacks' batch hooks (bar, checkpoint),
-    `training_step` (the recipe's metric update and `self.log` calls, through the plugin's logging hooks), zero_grad,
-    backward, the optimizer step, the plugin's graph cut and the logger connector. A floor to measure against, not
-    a loop to train with: only the recipe's plain case (automatic optimization, one optimizer, no accumulation,
-    clipping, schedulers or overridden module hooks)."""
+    would cost if Lightning's hook dispatch, closure and optimizer/precision/strategy layers cost nothing. It keeps
+    the job's own per-step work: the batch fetch, the callbacks' batch hooks (bar, checkpoint), `training_step` (the
+    recipe's metric update and `self.log` calls, through the plugin's logging hooks), zero_grad, backward, the
+    optimizer step, the plugin's graph cut, the logger connector, and the batch and step counters the loop reads. A
+    floor to measure against, not a loop to train with: the recipe's plain case only (`_check_plain_case`)."""
     trainer = loop.trainer
+    if loop.total_batch_idx < 0:  # the job's first step (the loop counts ready batches from 0)
+        _check_plain_case(trainer)
     module, strategy, connector = trainer.lightning_module, trainer.strategy, trainer._logger_connector
     batch, _, _ = next(data_fetcher)
     batch_idx = loop.batch_idx + 1
@@ -238,6 +241,22 @@ def _bare_advance(loop: Any, data_fetcher: Any) -> None:
     connector.on_batch_end()
     loop.batch_progress.increment_completed()
     connector.update_train_step_metrics()
+
+
+def _check_plain_case(trainer: pl.Trainer) -> None:
+    """Refuse a job `_bare_advance` would run differently from Lightning (set by `--set`, say)."""
+    plain = {
+        "automatic optimization": trainer.lightning_module.automatic_optimization,
+        "one optimizer": len(trainer.optimizers) == 1,
+        "no LR scheduler": not trainer.lr_scheduler_configs,
+        "no gradient accumulation": trainer.accumulate_grad_batches == 1,
+        "no gradient clipping": trainer.gradient_clip_val is None,
+        "one process": trainer.world_size == 1,
+        "precision 32-true or bf16-mixed": trainer.precision in ("32-true", "bf16-mixed"),
+    }
+    missing = [name for name, holds in plain.items() if not holds]
+    if missing:
+        raise ValueError(f"--floor measures the plain case only; this job lacks: {', '.join(missing)}.")
 
 
 def _bare_callback_hooks(trainer: pl.Trainer, hook: str, *args: Any) -> None:
@@ -475,7 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, ...
     parser = argparse.ArgumentParser(prog="python -m benchmarks.job_economy", description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", choices=list(JOBS), default=["mlp"])
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="recipe config overrides for both sides' jobs, e.g. trainer.max_epochs=2")
+                        help="recipe config overrides for every side's job, e.g. trainer.max_epochs=2")
     parser.add_argument("--floor", action="store_true",
                         help="also run the plugin's job with Lightning's per-step machinery left out (`_bare_advance`): "
                              "the host time per step the plugin could reach if that machinery cost nothing")
@@ -492,16 +511,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, ...
     for workload, (plugin, expert, *floor) in results.items():
         print(summary(workload, plugin, expert))
         if floor:
-            print(floor_summary(plugin, floor[0], expert))
+            print(floor_summary(plugin, expert, floor[0]))
     return results
 
 
-def floor_summary(plugin: JobResult, floor: JobResult, expert: JobResult) -> str:
-    """Host time per training step of the plugin, its bare-loop floor and the twin, as Markdown."""
-    per_step = {result.side: result.phases["train"].cpu_s_per_step for result in (plugin, floor, expert)}
+def floor_summary(plugin: JobResult, expert: JobResult, floor: JobResult) -> str:
+    """Host time per training step of the plugin, its bare-loop floor and the twin (and the graphs each compiled
+    while training: a compile's time counts in the steps), as Markdown."""
+    twin_per_step = expert.phases["train"].cpu_s_per_step
     return format_table(
-        ["main-thread CPU per training step", "ms", "/ expert"],
-        [[side, f"{1e3 * seconds:.2f}", _ratio(seconds, per_step[expert.side])] for side, seconds in per_step.items()],
+        ["main-thread CPU per training step", "ms", "/ expert", "compiles while training"],
+        [[result.side, f"{1e3 * result.phases['train'].cpu_s_per_step:.2f}",
+          _ratio(result.phases["train"].cpu_s_per_step, twin_per_step), result.phases["train"].metrics.compiles]
+         for result in (plugin, floor, expert)],
     ) + "\n"
 
 

@@ -68,6 +68,7 @@ def test_job_economy_twin_does_the_plugins_work_with_the_experts_costs():
         assert plugin.phases["train"].steps == other.phases["train"].steps == 1100
         assert plugin.test["test_acc"] == pytest.approx(other.test["test_acc"], abs=1e-6)
         assert plugin.test["test_loss"] == pytest.approx(other.test["test_loss"], abs=1e-5)
+    assert floor.phases["train"].metrics.compiles == plugin.phases["train"].metrics.compiles  # the same graphs
     compiles = expert.per_phase("compiles")
     assert compiles == {"setup": 0, "train": 3, "validation": 1, "epoch end": 0, "checkpoint": 0, "test": 0,
                         "teardown": 0}

@@ -62,6 +62,7 @@ class NeuronCompileCache(Callback):
             self.local_dir = os.path.abspath(os.path.expanduser(local_dir or url))
         self._pull, self._push = pull, push
         self._pulled = False
+        self._said_no_cache = False  # the native backend's warning, given once per callback
         self._baseline: Optional[dict[str, int]] = None
         #: the directory the runtime uses, once `enable` succeeded
         self.cache_dir: Optional[str] = None
@@ -80,11 +81,13 @@ class NeuronCompileCache(Callback):
             return True
         runtime = get_runtime()
         if not runtime.has_compile_cache:
-            rank_zero_warn(
-                f"NeuronCompileCache: the {runtime.name} backend has no compile cache this callback can set "
-                "(TorchNeuron compiles op by op, and `torch.compile` graphs under its own `TORCH_NEURONX_*` "
-                "settings); it does nothing in this run. Leave it out on Trn2/Trn3 (docs/torchneuron.md)."
-            )
+            if not self._said_no_cache:
+                rank_zero_warn(
+                    f"NeuronCompileCache: the {runtime.name} backend has no compile cache this callback can set "
+                    "(TorchNeuron compiles op by op, and `torch.compile` graphs under its own `TORCH_NEURONX_*` "
+                    "settings); it does nothing in this process. Leave it out on Trn2/Trn3 (docs/torchneuron.md)."
+                )
+                self._said_no_cache = True
             return False
         if self._store is not None and self._pull and not self._pulled:
             self.pull()

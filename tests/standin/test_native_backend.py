@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -139,14 +140,16 @@ def test_each_local_rank_takes_its_own_device_and_too_many_ranks_are_refused() -
 
 
 def test_the_compile_cache_callback_says_it_does_nothing_natively(tmp_path) -> None:
-    """`NeuronCompileCache` drives the XLA stack's compile cache: natively it warns once that it does nothing, and
-    neither creates its directory nor reaches its S3 store (here one where nothing listens)."""
+    """`NeuronCompileCache` drives the XLA stack's compile cache: natively it warns once (over fit and test) that it
+    does nothing, and neither creates its directory nor reaches its S3 store (here one where nothing listens)."""
     from lightning_trn.callbacks import NeuronCompileCache
 
     cache = NeuronCompileCache("s3://bucket/prefix", local_dir=str(tmp_path / "cache"),
                                endpoint_url="http://127.0.0.1:9", connect_timeout=0.5, max_attempts=1)
     with pytest.warns(UserWarning) as record:
-        fit(tmp_path, callbacks=[cache])
+        warnings.simplefilter("always")  # a repeated warning is recorded, not filtered as a duplicate
+        model, trainer = fit(tmp_path, callbacks=[cache])
+        trainer.test(model, verbose=False)
     messages = [str(warning.message) for warning in record if "NeuronCompileCache" in str(warning.message)]
     assert messages == [messages[0]] and "has no compile cache this callback can set" in messages[0]
     assert cache.cache_dir is None and not (tmp_path / "cache").exists()
