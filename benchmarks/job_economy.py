@@ -15,7 +15,7 @@ step done and the wall time. Each side runs in a fresh process, so neither finds
 targets are issue 19's: on XLA the transfers count, natively the host syncs (transfers queued without waiting are
 cheap there).
 
-`--floor` adds a third run: the plugin's job with Lightning's per-step machinery left out (`_bare_advance`), the host
+`--floor` adds a third run: the plugin's job with Lightning's per-step machinery left out (`_BareAdvance`), the host
 time per training step that no fix to that machinery could go below.
 
     PJRT_DEVICE=CPU python -m benchmarks.job_economy                      # MLP, the recipe's default job (~1 min)
@@ -34,9 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -46,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from benchmarks._harness import describe_machine, format_table, wait_for_device
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
@@ -191,14 +191,14 @@ def _build(workload: str, out: str, overrides: Sequence[str] = ()) -> tuple[Any,
 
 def run_plugin(workload: str, start: float, overrides: Sequence[str] = (), bare_loop: bool = False) -> JobResult:
     """The recipe's job: `recipes.common.build_trainer` (bar, CSV logger, `last.ckpt`), `fit`, then `test`.
-    `bare_loop`: its training steps through `_bare_advance` instead of Lightning's loop (a measurement, see there)."""
+    `bare_loop`: its training steps through `_BareAdvance` instead of Lightning's loop (a measurement, see there)."""
     with tempfile.TemporaryDirectory() as out:
         cfg, data, module = _build(workload, out, overrides)
         ledger = Ledger()
         trainer = build_trainer(cfg)
         trainer.callbacks.insert(0, _PhaseCallback(ledger, start))
         if bare_loop:
-            trainer.fit_loop.epoch_loop.advance = types.MethodType(_bare_advance, trainer.fit_loop.epoch_loop)
+            trainer.fit_loop.epoch_loop.advance = _BareAdvance(trainer.fit_loop.epoch_loop)
         trainer.fit(module, datamodule=data)
         results = trainer.test(module, datamodule=data, verbose=False)[0]
         ledger.enter("teardown")
@@ -206,45 +206,59 @@ def run_plugin(workload: str, start: float, overrides: Sequence[str] = (), bare_
                      time.monotonic() - start, results)
 
 
-def _bare_advance(loop: _TrainingEpochLoop, data_fetcher: _DataFetcher) -> None:
+class _BareAdvance:
     """One training step of the recipe's job with Lightning's per-step machinery left out: what the plugin's step
     would cost if Lightning's hook dispatch, closure and optimizer/precision/strategy layers cost nothing. It keeps
     the job's own per-step work: the batch fetch, the callbacks' batch hooks (bar, checkpoint), `training_step` (the
     recipe's metric update and `self.log` calls, through the plugin's logging hooks), zero_grad, backward, the
     optimizer step, the plugin's graph cut, the logger connector, and the batch and step counters the loop reads. A
-    floor to measure against, not a loop to train with: the recipe's plain case only (`_check_plain_case`)."""
-    trainer = loop.trainer
-    if loop.total_batch_idx < 0:  # the job's first step (the loop counts ready batches from 0)
-        _check_plain_case(trainer)
-    module, strategy, connector = trainer.lightning_module, trainer.strategy, trainer._logger_connector
-    batch, _, _ = next(data_fetcher)
-    batch_idx = loop.batch_idx + 1
-    loop.batch_progress.is_last_batch = data_fetcher.done
-    batch = strategy.batch_to_device(batch, dataloader_idx=0)
-    loop.batch_progress.increment_ready()
-    connector.on_batch_start(batch)
-    _bare_callback_hooks(trainer, "on_train_batch_start", batch, batch_idx)
-    strategy.on_train_batch_start(batch, batch_idx)
-    loop.batch_progress.increment_started()
-    optimizer = trainer.optimizers[0]
-    module._current_fx_name = "training_step"
-    with strategy.precision_plugin.train_step_context():
-        loss = module.training_step(batch, batch_idx)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    strategy.runtime.sync()
-    strategy._cut_after_step = True
-    loop.automatic_optimization.optim_progress.optimizer.step.increment_completed()
-    loop.batch_progress.increment_processed()
-    _bare_callback_hooks(trainer, "on_train_batch_end", {"loss": loss.detach()}, batch, batch_idx)
-    connector.on_batch_end()
-    loop.batch_progress.increment_completed()
-    connector.update_train_step_metrics()
+    floor to measure against, not a loop to train with: the recipe's plain case only (`_check_plain_case`).
+    Replaces `loop.advance`; at the first step it checks the case and finds the callbacks' batch hooks once."""
+
+    def __init__(self, loop: _TrainingEpochLoop) -> None:
+        self.loop = loop
+        #: per batch hook, the callbacks' overrides (bound methods), found at the first step
+        self.hooks: Optional[dict[str, list[Callable[..., None]]]] = None
+
+    def __call__(self, data_fetcher: _DataFetcher) -> None:
+        loop, trainer = self.loop, self.loop.trainer
+        if self.hooks is None:
+            _check_plain_case(trainer)
+            self.hooks = {hook: [getattr(callback, hook) for callback in trainer.callbacks
+                                 if is_overridden(hook, callback, pl.Callback)]
+                          for hook in ("on_train_batch_start", "on_train_batch_end")}
+        module, strategy, connector = trainer.lightning_module, trainer.strategy, trainer._logger_connector
+        batch, _, _ = next(data_fetcher)
+        batch_idx = loop.batch_idx + 1
+        loop.batch_progress.is_last_batch = data_fetcher.done
+        batch = strategy.batch_to_device(batch, dataloader_idx=0)
+        loop.batch_progress.increment_ready()
+        connector.on_batch_start(batch)
+        for hook in self.hooks["on_train_batch_start"]:
+            hook(trainer, module, batch, batch_idx)
+        strategy.on_train_batch_start(batch, batch_idx)
+        loop.batch_progress.increment_started()
+        optimizer = trainer.optimizers[0]
+        module._current_fx_name = "training_step"
+        with strategy.precision_plugin.train_step_context():
+            loss = module.training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        strategy.runtime.sync()
+        strategy._cut_after_step = True
+        loop.automatic_optimization.optim_progress.optimizer.step.increment_completed()
+        loop.batch_progress.increment_processed()
+        outputs = {"loss": loss.detach()}
+        for hook in self.hooks["on_train_batch_end"]:
+            hook(trainer, module, outputs, batch, batch_idx)
+        connector.on_batch_end()
+        loop.batch_progress.increment_completed()
+        connector.update_train_step_metrics()
 
 
 def _check_plain_case(trainer: pl.Trainer) -> None:
-    """Refuse a job `_bare_advance` would run differently from Lightning (set by `--set`, say)."""
+    """Refuse a job `_BareAdvance` would run differently from Lightning (set by `--set`, say)."""
     plain = {
         "automatic optimization": trainer.lightning_module.automatic_optimization,
         "one optimizer": len(trainer.optimizers) == 1,
@@ -257,13 +271,6 @@ def _check_plain_case(trainer: pl.Trainer) -> None:
     missing = [name for name, holds in plain.items() if not holds]
     if missing:
         raise ValueError(f"--floor measures the plain case only; this job lacks: {', '.join(missing)}.")
-
-
-def _bare_callback_hooks(trainer: pl.Trainer, hook: str, *args: Any) -> None:
-    """The callbacks that override `hook`, called directly."""
-    for callback in trainer.callbacks:
-        if getattr(type(callback), hook) is not getattr(pl.Callback, hook):
-            getattr(callback, hook)(trainer, trainer.lightning_module, *args)
 
 
 class _Totals:
@@ -496,7 +503,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, ...
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe config overrides for every side's job, e.g. trainer.max_epochs=2")
     parser.add_argument("--floor", action="store_true",
-                        help="also run the plugin's job with Lightning's per-step machinery left out (`_bare_advance`): "
+                        help="also run the plugin's job with Lightning's per-step machinery left out (`_BareAdvance`): "
                              "the host time per step the plugin could reach if that machinery cost nothing")
     parser.add_argument("--side", choices=("plugin", "expert", "floor"), help=argparse.SUPPRESS)  # a child's run
     parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
