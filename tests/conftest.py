@@ -44,12 +44,12 @@ def _fresh_platform_detection():
 
 @pytest.fixture
 def neuron_run_hooks():
-    """Lightning's internals hooked as during a Neuron run (`lightning_trn._lightning_hooks`), for unit tests."""
-    from lightning_trn import _lightning_hooks
+    """Lightning's internals hooked as during a Neuron run (`lightning_trn.hooks.registry`), for unit tests."""
+    from lightning_trn.hooks import registry as lightning_hooks
 
-    _lightning_hooks.acquire()
+    lightning_hooks.acquire()
     yield
-    _lightning_hooks.release()
+    lightning_hooks.release()
 
 
 @pytest.fixture
@@ -104,8 +104,8 @@ class RedrawClock:
 
 @pytest.fixture
 def redraw_clock(monkeypatch: pytest.MonkeyPatch) -> RedrawClock:
-    """A fake clock for the progress bars' redraw limit (`lightning_trn.callbacks.progress_bar`)."""
-    from lightning_trn.callbacks import progress_bar
+    """A fake clock for the progress bars' redraw limit (`lightning_trn.pytorch.callbacks.progress_bar`)."""
+    from lightning_trn.pytorch.callbacks import progress_bar
 
     clock = RedrawClock()
     monkeypatch.setattr(progress_bar, "time", clock)

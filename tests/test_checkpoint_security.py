@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Trainer
 
 import lightning_trn  # noqa: F401  (registers accelerator="neuron")
-from lightning_trn.plugins.io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from models import RegressionModel
 
 

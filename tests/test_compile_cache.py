@@ -16,7 +16,7 @@ import boto3
 import pytest
 
 from lightning_trn.cache_archive import archive_name, extract_archive, list_entries, pack_entries
-from lightning_trn.callbacks import NeuronCompileCache
+from lightning_trn.pytorch.callbacks import NeuronCompileCache
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SECRET = "TEST-SECRET-KEY-d41d8cd98f00b204"
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 import lightning_trn
-from lightning_trn.callbacks import NeuronCompileCache, NeuronCompilerFlags
+from lightning_trn.pytorch.callbacks import NeuronCompileCache, NeuronCompilerFlags
 from lightning_trn.runtime import get_runtime
 
 opts = json.loads(sys.argv[1])

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_trn
-from lightning_trn.callbacks import CompileMonitor
+from lightning_trn.pytorch.callbacks import CompileMonitor
 from lightning_trn.runtime import get_runtime
 
 

@@ -10,8 +10,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_trn  # noqa: F401  (registers accelerator="neuron")
-from lightning_trn.callbacks import NeuronCompilerFlags
-from lightning_trn.callbacks.compiler_flags import cc_flags_digest
+from lightning_trn.pytorch.callbacks import NeuronCompilerFlags
+from lightning_trn.pytorch.callbacks.compiler_flags import cc_flags_digest
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.environment import parse_cc_flags
 

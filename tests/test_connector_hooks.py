@@ -10,7 +10,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lightning_trn import NeuronAccelerator, NeuronDDPStrategy, NeuronPrecision, SingleDeviceNeuronStrategy
-from lightning_trn import _registration
+from lightning_trn.hooks import registration
 from lightning_trn.runtime import native
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
@@ -63,7 +63,7 @@ def test_registered_first_by_another_package_the_name_is_taken_back_with_a_warni
     del registry["neuron"]
     NxDStyleAccelerator.register_accelerators(registry)
     with pytest.warns(UserWarning, match="NxDStyleAccelerator.*lightning_trn registers its own"):
-        _registration.register()
+        registration.register()
     trainer = Trainer(accelerator="neuron", **QUIET)
     assert type(trainer.accelerator) is NeuronAccelerator
     assert type(trainer.strategy) is SingleDeviceNeuronStrategy

@@ -20,8 +20,8 @@ import torch
 from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_trn.plugins.io import LOADER_STATES_KEY, NeuronCheckpointIO
-from lightning_trn.strategies.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
+from lightning_trn.core.checkpoint_io import LOADER_STATES_KEY, NeuronCheckpointIO
+from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = PROJECT_ROOT / "tests" / "scripts"
@@ -127,7 +127,7 @@ def test_prefetch_starts_after_set_epoch():
 
 def test_resuming_a_random_sampler_warns(caplog: pytest.LogCaptureFixture):
     shuffled = DataLoader(list(range(10)), batch_size=1, shuffle=True)
-    with caplog.at_level(logging.WARNING, logger="lightning_trn.strategies.device_loader"):
+    with caplog.at_level(logging.WARNING, logger="lightning_trn.core.device_loader"):
         for loader in (_numbers_loader(), shuffled):
             wrapped = DevicePrefetchLoader(loader, torch.device("cpu"), FakeRuntime())
             wrapped.load_state_dict({BATCHES_YIELDED: 3})

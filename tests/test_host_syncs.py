@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin
+from lightning_trn.pytorch.callbacks.progress_bar import HostSyncFreeMetricsMixin
 from lightning_trn.runtime import get_runtime
 from models import RegressionModel
 

@@ -101,8 +101,8 @@ def test_metric_states_enter_every_step_graph_as_inputs():
     values, dtypes and device."""
     import torch_xla
 
-    from lightning_trn import _lightning_hooks
-    from lightning_trn._metric_states import place_scalars
+    from lightning_trn.hooks import registry as lightning_hooks
+    from lightning_trn.hooks.metric_states import place_scalars
     from recipes.metrics import MaskedAccuracy
 
     runtime = get_runtime()
@@ -112,7 +112,7 @@ def test_metric_states_enter_every_step_graph_as_inputs():
     place_scalars(metric, device)
     metric.to(device)
     preds, target, weight = (torch.tensor(v).to(device) for v in ([1, 2, 3, 3], [1, 2, 0, 3], [1.0, 1.0, 1.0, 0.0]))
-    _lightning_hooks.acquire()
+    lightning_hooks.acquire()
     try:
         before = get_runtime().metrics()
         for _ in range(2):
@@ -126,7 +126,7 @@ def test_metric_states_enter_every_step_graph_as_inputs():
                 (0.0, torch.float32, device), (0.0, torch.float32, device), (0, torch.long, device)]
         assert _compiles_since(before) == 1  # the update step, once: reads and resets compile nothing
     finally:
-        _lightning_hooks.release()
+        lightning_hooks.release()
 
 
 class WithMetric(Deep):
@@ -183,7 +183,7 @@ def test_the_teardown_moves_everything_to_the_host_in_one_transfer(tmp_path: Pat
 
 def test_host_copies_hand_out_distinct_tensors():
     """Two `.cpu()` calls of one device tensor give two tensors, as without `HostCopies`; other moves are real."""
-    from lightning_trn._host_copies import HostCopies
+    from lightning_trn.hooks.host_copies import HostCopies
 
     runtime = get_runtime()
     device = runtime.device()

@@ -1,4 +1,4 @@
-"""The hooks into Lightning's internals (`lightning_trn._lightning_hooks`) are in place only while a Neuron run is
+"""The hooks into Lightning's internals (`lightning_trn.hooks.registry`) are in place only while a Neuron run is
 (issue 17, item 9): `import lightning_trn` leaves Lightning's code as it is, a Neuron fit installs them, its teardown
 (also after an exception) puts Lightning's originals back, and a CPU run in the same process runs Lightning's own
 code. Run by both suites."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_trn import _lightning_hooks
+from lightning_trn.hooks import registry as lightning_hooks
 from models import RegressionModel, regression_loader
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -16,7 +16,7 @@ QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False
 
 def current() -> dict[str, object]:
     """What each hooked attribute holds now (`None`: the owner does not define it)."""
-    return {f"{id(h.owner)}.{h.name}": h.owner.__dict__.get(h.name) for h in _lightning_hooks.HOOKS}
+    return {f"{id(h.owner)}.{h.name}": h.owner.__dict__.get(h.name) for h in lightning_hooks.HOOKS}
 
 
 #: Lightning's own attributes, taken at collection time, after `import lightning_trn` (the import above)
@@ -72,8 +72,8 @@ def test_the_host_length_check_answers_as_lightnings():
     from lightning.pytorch.utilities.data import has_len_all_ranks
     from torch.utils.data import DataLoader
 
-    from lightning_trn._loop_shortcuts import host_length_check
-    from lightning_trn.strategies import SingleDeviceNeuronStrategy
+    from lightning_trn.hooks.loop_shortcuts import host_length_check
+    from lightning_trn.pytorch.strategies import SingleDeviceNeuronStrategy
 
     class Recording(SingleDeviceNeuronStrategy):
         def reduce(self, tensor, *args, **kwargs):

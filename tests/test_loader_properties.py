@@ -7,7 +7,7 @@ from __future__ import annotations
 from lightning.pytorch import Callback, Trainer
 from torch import nn
 
-from lightning_trn.strategies.device_loader import DevicePrefetchLoader
+from lightning_trn.core.device_loader import DevicePrefetchLoader
 from models import RegressionModel, regression_loader
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -11,8 +11,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lightning_trn import _logging_hooks
-from lightning_trn.strategies import SingleDeviceNeuronStrategy
+from lightning_trn.hooks import logging as logging_hooks
+from lightning_trn.pytorch.strategies import SingleDeviceNeuronStrategy
 from models import regression_loader
 
 
@@ -50,8 +50,8 @@ class LogsEverything(LightningModule):
 def fast_path_calls(monkeypatch):
     """How often the fast path updated a stored result (True) or handed the call back to Lightning (False)."""
     calls = []
-    real = _logging_hooks._update_stored
-    monkeypatch.setattr(_logging_hooks, "_update_stored", lambda *args: calls.append(real(*args)) or calls[-1])
+    real = logging_hooks._update_stored
+    monkeypatch.setattr(logging_hooks, "_update_stored", lambda *args: calls.append(real(*args)) or calls[-1])
     return calls
 
 
@@ -120,12 +120,12 @@ def test_lightning_errors_still_raise_after_the_fast_path_warmed_up(tmp_path, fa
 def test_epoch_values_computed_on_the_host_are_lightnings(tmp_path, monkeypatch):
     """Hook 4: with the states copied to the host in one transfer, Lightning's own epoch-end computation logs exactly
     the values it computes on the device (means, sums, max, a torchmetrics metric, two dataloaders)."""
-    from lightning_trn import _metric_states
+    from lightning_trn.hooks import metric_states
 
     on_host = []
-    real = _metric_states.epoch_values_on_host
-    monkeypatch.setattr(_logging_hooks, "epoch_values_on_host",
-                        lambda *args: on_host.append(len(_metric_states._epoch_states(args[0]))) or real(*args))
+    real = metric_states.epoch_values_on_host
+    monkeypatch.setattr(logging_hooks, "epoch_values_on_host",
+                        lambda *args: on_host.append(len(metric_states._epoch_states(args[0]))) or real(*args))
     device = logged(fit(tmp_path / "device", fast_log=True, epoch_values_on_host=False))
     assert on_host == []
     host = logged(fit(tmp_path / "host", fast_log=True))

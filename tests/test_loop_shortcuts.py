@@ -1,5 +1,5 @@
-"""`lightning_trn._loop_shortcuts`: each shortcut through Lightning's per-step machinery gives the same result as the
-code it bypasses, and is taken."""
+"""`lightning_trn.hooks.loop_shortcuts`: each shortcut through Lightning's per-step machinery gives the same result as
+the code it bypasses, and is taken."""
 
 import functools
 
@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
-from lightning_trn._loop_shortcuts import _NullContextProfiler, _UnscaledClosureResult, cached_signature_check
+from lightning_trn.hooks.loop_shortcuts import _NullContextProfiler, _UnscaledClosureResult, cached_signature_check
 from models import RegressionModel, regression_loader
 
 

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 import lightning_trn
-from lightning_trn.callbacks import NeuronCompileCache
+from lightning_trn.pytorch.callbacks import NeuronCompileCache
 
 class Model(BoringModel):
     val_batches = 0

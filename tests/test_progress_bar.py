@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import rich_progress, tqdm_progress
 
-from lightning_trn.callbacks.progress_bar import NeuronRichProgressBar, NeuronTQDMProgressBar
+from lightning_trn.pytorch.callbacks.progress_bar import NeuronRichProgressBar, NeuronTQDMProgressBar
 from models import RegressionModel
 
 BATCHES = 32  # `regression_loader()`: 512 rows in batches of 16

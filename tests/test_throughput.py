@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron" and the throughput hooks
 from lightning_trn.runtime import discovery, get_runtime
-from lightning_trn.throughput import CHIP_ENV, PEAK_FLOPS, peak_flops
+from lightning_trn.hooks.throughput import CHIP_ENV, PEAK_FLOPS, peak_flops
 from models import RegressionModel, regression_loader
 
 STEPS = 8
@@ -45,7 +45,7 @@ def test_chip_is_read_from_the_driver_sysfs(tmp_path: Path, monkeypatch: pytest.
 
 def test_other_devices_and_plugins_get_lightnings_answers(monkeypatch: pytest.MonkeyPatch):
     """The wrappers hand other devices and plugins to the function they wrap, untouched, without choosing a backend."""
-    from lightning_trn.throughput import _available_flops, _compute_dtype
+    from lightning_trn.hooks.throughput import _available_flops, _compute_dtype
 
     for module in (fabric_throughput, throughput_monitor):
         for name in ("get_available_flops", "_plugin_to_compute_dtype"):
@@ -122,7 +122,7 @@ def test_mfu_against_the_chips_peak_without_device_reads(tmp_path, monkeypatch, 
 
 def test_no_peak_on_xla_cpu_or_the_standin_is_said_once(tmp_path, monkeypatch):
     monkeypatch.delenv(CHIP_ENV, raising=False)
-    from lightning_trn import throughput
+    from lightning_trn.hooks import throughput
 
     throughput._say_no_peak.cache_clear()
     with pytest.warns(UserWarning, match=f"no peak FLOP/s for {get_runtime().cpu_platform}") as warned:

@@ -1,6 +1,6 @@
 """`NeuronPrecision` for Lightning Fabric: the Trainer's precision ("32-true", "bf16-mixed", "bf16-true") with
 Fabric's optimizer step; dtypes, autocast, stochastic rounding and the Neuron environment are shared
-(`lightning_trn.plugins.precision.NeuronPrecisionCore`)."""
+(`lightning_trn.core.precision.NeuronPrecisionCore`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.plugins.precision import NeuronPrecisionCore
+from lightning_trn.core.precision import NeuronPrecisionCore
 
 
 class NeuronPrecision(NeuronPrecisionCore, Precision):

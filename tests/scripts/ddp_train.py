@@ -26,7 +26,7 @@ import torchmetrics
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_trn
-from lightning_trn.plugins import NeuronCheckpointIO
+from lightning_trn import NeuronCheckpointIO
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
 
 FEATURES = 8

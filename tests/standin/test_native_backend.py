@@ -142,7 +142,7 @@ def test_each_local_rank_takes_its_own_device_and_too_many_ranks_are_refused() -
 def test_the_compile_cache_callback_says_it_does_nothing_natively(tmp_path) -> None:
     """`NeuronCompileCache` drives the XLA stack's compile cache: natively it warns once (over fit and test) that it
     does nothing, and neither creates its directory nor reaches its S3 store (here one where nothing listens)."""
-    from lightning_trn.callbacks import NeuronCompileCache
+    from lightning_trn.pytorch.callbacks import NeuronCompileCache
 
     cache = NeuronCompileCache("s3://bucket/prefix", local_dir=str(tmp_path / "cache"),
                                endpoint_url="http://127.0.0.1:9", connect_timeout=0.5, max_attempts=1)

@@ -2,7 +2,7 @@
 
 `fabric.launch()` starts the other local processes itself when the script runs as `python train.py`; under torchrun
 or SLURM the launcher's processes are used. Process groups, collectives and gradient reduction are the Trainer's
-(`lightning_trn.strategies.data_parallel`).
+(`lightning_trn.core.data_parallel`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
-from lightning_trn.strategies.data_parallel import DataParallelCore
+from lightning_trn.core.data_parallel import DataParallelCore
 
 
 class _ReducedAtStep(_BackwardSyncControl):

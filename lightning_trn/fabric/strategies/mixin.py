@@ -1,5 +1,5 @@
 """`NeuronFabricStrategyMixin`: what Fabric's Neuron strategies add to the shared device logic
-(`lightning_trn.strategies.core`): Fabric's hooks for moving modules and optimizers, the graph cut, checkpoints.
+(`lightning_trn.core.strategy`): Fabric's hooks for moving modules and optimizers, the graph cut, checkpoints.
 
 Where the graph is cut (one compiled graph per step, nothing read from the device between steps): after each
 `optimizer.step()` (the step's forward, backward, gradient reduction and update become one graph), and when the next
@@ -19,7 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_trn.fabric.precision import NeuronPrecision
-from lightning_trn.strategies.core import NeuronStrategyCore
+from lightning_trn.core.strategy import NeuronStrategyCore
 
 
 class NeuronFabricStrategyMixin(NeuronStrategyCore):

@@ -10,7 +10,7 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import SingleDeviceStrategy
 
 from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
-from lightning_trn.strategies.core import SingleDeviceCore
+from lightning_trn.core.strategy import SingleDeviceCore
 
 
 class SingleDeviceNeuronStrategy(SingleDeviceCore, NeuronFabricStrategyMixin, SingleDeviceStrategy):

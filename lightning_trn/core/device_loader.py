@@ -1,5 +1,5 @@
-"""`DevicePrefetchLoader`: a DataLoader stand-in that delivers batches already on the device, and the loops'
-`setup_data` hook that keeps it out of `trainer.train_dataloader` and the other loader properties."""
+"""`DevicePrefetchLoader`: a DataLoader stand-in that delivers batches already on the device (the loops' loader
+properties still show the user's loaders: `lightning_trn.hooks.loaders`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.utilities._pytree import tree_unflatten
 from torch.utils.data import RandomSampler
 
 from lightning_trn.runtime import DeviceRuntime
@@ -136,25 +135,3 @@ class DevicePrefetchLoader:
         if name.startswith("__") or name in _OWN_ATTRIBUTES:
             raise AttributeError(name)
         return getattr(self._loader, name)
-
-
-def setup_data_showing_user_loaders(original: Optional[Callable[[Any], None]]) -> Optional[Callable[[Any], None]]:
-    """A loop's `setup_data` after which `trainer.train_dataloader`, `val_dataloaders`, `test_dataloaders` and
-    `predict_dataloaders` return the DataLoaders as Lightning prepared them (the user's own, or Lightning's copy with a
-    `DistributedSampler`), as in a CPU run, not the prefetchers iterating them.
-
-    The loop's `CombinedLoader` iterates its `flattened` list (the prefetchers); its `iterables`, set from the same
-    list, are read only by those four properties, so they get the wrapped loaders. None if the loop has no
-    `setup_data` of its own (`original` None).
-    """
-    if original is None:
-        return None
-
-    def setup_data(loop: Any) -> None:
-        original(loop)
-        combined = loop._combined_loader
-        if combined is not None and any(isinstance(dl, DevicePrefetchLoader) for dl in combined.flattened):
-            loaders = [dl._loader if isinstance(dl, DevicePrefetchLoader) else dl for dl in combined.flattened]
-            combined._iterables = tree_unflatten(loaders, combined._spec)
-
-    return setup_data

@@ -2,7 +2,7 @@
 
 On XLA the host traces every step, so a small model's step is host-bound and Lightning's fixed bookkeeping per step
 shows in its speed (benchmarks/README.md). Each is installed for Neuron runs only: 1, 2 and 5 by
-`lightning_trn._lightning_hooks` (which restores Lightning's originals after the run), 3 and 4 on the run's own
+`lightning_trn.hooks.registry` (which restores Lightning's originals after the run), 3 and 4 on the run's own
 trainer:
 
 1. `LightningModule._current_fx_name = name` skips `nn.Module.__setattr__`. Lightning sets it twice around every hook

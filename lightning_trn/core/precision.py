@@ -1,7 +1,7 @@
-"""`NeuronPrecision`: the precision plugin used by the Neuron strategies ("32-true", "bf16-mixed", "bf16-true").
+"""`NeuronPrecisionCore`: the Neuron precision ("32-true", "bf16-mixed", "bf16-true") both of Lightning's APIs use.
 
-`NeuronPrecisionCore` holds everything but the optimizer step's signature, which differs between Lightning's two
-APIs; Fabric's plugin (`lightning_trn.fabric.NeuronPrecision`) shares it.
+It holds everything but the optimizer step, whose signature differs between the APIs: the Trainer's plugin
+(`lightning_trn.pytorch.precision.NeuronPrecision`) and Fabric's (`lightning_trn.fabric.NeuronPrecision`) add it.
 
 The Neuron compiler and runtime take their precision settings from environment variables read when they start, so
 the plugin sets them when it is constructed (inside `Trainer(...)`, before the runtime starts), never overriding a
@@ -14,20 +14,17 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
-from typing_extensions import override
 
-from lightning_trn.plugins.stochastic_rounding import Bf16OptimizerStep
+from lightning_trn.core.stochastic_rounding import Bf16OptimizerStep
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.environment import (
     NEURON_CC_FLAGS,
@@ -194,38 +191,3 @@ class NeuronPrecisionCore:
         """Put back every environment variable the plugin changed."""
         self._environment.restore()
         self._environment_applied = False
-
-
-class NeuronPrecision(NeuronPrecisionCore, Precision):
-    """The Trainer's precision plugin for NeuronCores and XLA:CPU; see `NeuronPrecisionCore` for the arguments."""
-
-    @override
-    def connect(
-        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
-    ) -> tuple[Module, list[Optimizer], list[Any]]:
-        """Remember the parameters by name (master weights are saved by name); re-apply the environment after an
-        earlier run's teardown restored it."""
-        self._named_parameters = list(model.named_parameters())
-        if not self._environment_applied:
-            self._configure_environment()
-        return model, optimizers, lr_schedulers
-
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self,
-        optimizer: Optimizer,
-        model: pl.LightningModule,
-        closure: Callable[[], Any],
-        **kwargs: Any,
-    ) -> Any:
-        """bf16-true without hardware rounding (or with master weights): backward and the gradient hooks/clipping
-        run as usual in bf16, then the update runs in fp32 through `Bf16OptimizerStep`."""
-        if self._bf16_step is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        self._check_bf16_step_supports(optimizer)
-        closure_result = closure()
-        self._after_closure(model, optimizer)
-        if closure_result is None and model.automatic_optimization:
-            return closure_result  # `training_step` returned None: backward and the update are skipped
-        self._bf16_step.step(optimizer, **kwargs)
-        return closure_result

@@ -15,13 +15,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
-from lightning_trn import _lightning_hooks
-from lightning_trn._logging_hooks import settle_progress_bar_metrics
-from lightning_trn._loop_shortcuts import install_run_shortcuts
-from lightning_trn.callbacks.progress_bar import HostSyncFreeMetricsMixin, host_sync_free_replacement
-from lightning_trn.plugins.precision import NeuronPrecision
+from lightning_trn.hooks import registry as lightning_hooks
+from lightning_trn.hooks.logging import settle_progress_bar_metrics
+from lightning_trn.hooks.loop_shortcuts import install_run_shortcuts
+from lightning_trn.pytorch.callbacks.progress_bar import HostSyncFreeMetricsMixin, host_sync_free_replacement
+from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.precompile import GRAPHS_ONLY_ENV, apply_precompile_limits, graphs_only
-from lightning_trn.strategies.core import NeuronStrategyCore
+from lightning_trn.core.strategy import NeuronStrategyCore
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,13 @@ class NeuronStrategyMixin(NeuronStrategyCore):
     """Mixed into a Lightning strategy: device placement, prefetching, one graph cut per optimizer step, portable
     checkpoints. Strategies override `reduce_gradients` to all-reduce between backward and the optimizer update."""
 
-    #: read by `lightning_trn._logging_hooks`: leave `prog_bar=True` values as tensors instead of syncing per step
+    #: read by `lightning_trn.hooks.logging`: leave `prog_bar=True` values as tensors instead of syncing per step
     defer_progress_bar_metrics: bool = False
-    #: read by `lightning_trn._logging_hooks`: repeated `self.log` calls update Lightning's stored result directly
+    #: read by `lightning_trn.hooks.logging`: repeated `self.log` calls update Lightning's stored result directly
     fast_log: bool = True
-    #: read by `lightning_trn._loop_shortcuts`: `reduce` takes host tensors (data-parallel: over the host group)
+    #: read by `lightning_trn.hooks.loop_shortcuts`: `reduce` takes host tensors (data-parallel: over the host group)
     reduces_host_tensors: bool = True
-    #: read by `lightning_trn._logging_hooks`: epoch-level logged values are computed from host copies of their
+    #: read by `lightning_trn.hooks.logging`: epoch-level logged values are computed from host copies of their
     #: states (one transfer), not as small graphs (in one-process runs)
     epoch_values_on_host: bool = True
     _precision_plugin: Optional[Precision]
@@ -65,7 +65,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         #: the last training batch ended with the optimizer step's graph cut, and nothing ran since (see
         #: `on_train_batch_start`)
         self._cut_after_step = False
-        #: this strategy's run holds the hooks into Lightning's internals (`lightning_trn._lightning_hooks`)
+        #: this strategy's run holds the hooks into Lightning's internals (`lightning_trn.hooks.registry`)
         self._holds_lightning_hooks = False
         #: where the runtime records the `XLAProfiler` trace of the current run (None: no trace running)
         self._trace_dir: Optional[str] = None
@@ -170,7 +170,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
 
     def setup(self, trainer: pl.Trainer) -> None:
         if not self._holds_lightning_hooks:
-            _lightning_hooks.acquire()
+            lightning_hooks.acquire()
             self._holds_lightning_hooks = True
         self._seed_device()
         super().setup(trainer)  # type: ignore[misc]
@@ -189,7 +189,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
     def teardown(self) -> None:
         """Hand the deferred progress-bar metrics back as numbers (one host read), then Lightning's teardown, which
         moves the model to the CPU: re-tie the weights that moving off the device untied. Lightning's internals get
-        their originals back (`lightning_trn._lightning_hooks`)."""
+        their originals back (`lightning_trn.hooks.registry`)."""
         try:
             module = self._lightning_module  # type: ignore[attr-defined]
             if module is None:
@@ -203,7 +203,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         finally:
             if self._holds_lightning_hooks:
                 self._holds_lightning_hooks = False
-                _lightning_hooks.release()
+                lightning_hooks.release()
             if self._trace_dir is not None:
                 self._trace_dir = None
                 self.runtime.stop_trace()

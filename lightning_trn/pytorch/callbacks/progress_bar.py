@@ -54,7 +54,7 @@ class HostSyncFreeMetricsMixin:
 
     def _read_metrics_if_due(self, trainer: pl.Trainer) -> None:
         if self._refresh_due(trainer):
-            # Lightning's own conversion (not the one `_logging_hooks` defers): one `.item()` per value
+            # Lightning's own conversion (not the one `lightning_trn.hooks.logging` defers): one `.item()` per value
             pbar = convert_tensors_to_scalars(dict(trainer.progress_bar_metrics))
             self._cached_metrics = {**get_standard_metrics(trainer), **pbar}
             self._cached_step = trainer.global_step

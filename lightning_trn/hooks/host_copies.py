@@ -3,7 +3,7 @@
 `Trainer._teardown` moves the model, the optimizer states, the loops' logged results and the logged metrics to the
 CPU, one `.cpu()` per tensor: on XLA one transfer each (60 for the MLP recipe, whose own work needs 31 in the whole
 job), and torchmetrics' device probe in `Metric._apply` (`torch.zeros(1, device=metric.device)`) compiles a graph of
-its own. While a Neuron run tears down (hooked by `lightning_trn._lightning_hooks`), every device tensor Lightning is
+its own. While a Neuron run tears down (hooked by `lightning_trn.hooks.registry`), every device tensor Lightning is
 about to move is copied to the host in one batched transfer first, and `HostCopies` hands those copies to Lightning's
 own `.cpu()` / `.to("cpu")` calls, so Lightning's code runs unchanged and ends with the same CPU tensors.
 """
@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.overrides import TorchFunctionMode
 
-from lightning_trn._metric_states import NEURON_DEVICE_TYPES, metrics_of
+from lightning_trn.hooks.metric_states import NEURON_DEVICE_TYPES, metrics_of
 from lightning_trn.runtime import DeviceRuntime
 
 _MOVES = (torch.Tensor.cpu, torch.Tensor.to)

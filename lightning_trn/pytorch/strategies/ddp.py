@@ -21,9 +21,9 @@ from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_trn.strategies.data_parallel import DataParallelCore
-from lightning_trn.strategies.host_signals import install_host_sigterm_sync
-from lightning_trn.strategies.mixin import NeuronStrategyMixin
+from lightning_trn.core.data_parallel import DataParallelCore
+from lightning_trn.pytorch.strategies.host_signals import install_host_sigterm_sync
+from lightning_trn.pytorch.strategies.mixin import NeuronStrategyMixin
 
 
 class NeuronDDPStrategy(DataParallelCore, NeuronStrategyMixin, ParallelStrategy):

@@ -9,8 +9,8 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from lightning_trn.strategies.core import SingleDeviceCore
-from lightning_trn.strategies.mixin import NeuronStrategyMixin
+from lightning_trn.core.strategy import SingleDeviceCore
+from lightning_trn.pytorch.strategies.mixin import NeuronStrategyMixin
 
 
 class SingleDeviceNeuronStrategy(SingleDeviceCore, NeuronStrategyMixin, SingleDeviceStrategy):

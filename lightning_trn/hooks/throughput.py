@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_trn._lightning_hooks import lightning_version_tested
+from lightning_trn.hooks.registry import lightning_version_tested
 from lightning_trn.runtime import NeuronUnavailableError, get_runtime
 from lightning_trn.runtime.discovery import LNC_DEVICE_CORES, logical_core_config
 
@@ -91,7 +91,7 @@ def _available_flops(original: Callable[..., Optional[int]]) -> Callable[..., Op
 
 
 def _compute_dtype(original: Callable[[Any], torch.dtype]) -> Callable[[Any], torch.dtype]:
-    from lightning_trn.plugins.precision import NeuronPrecisionCore
+    from lightning_trn.core.precision import NeuronPrecisionCore
 
     @functools.wraps(original)
     def plugin_to_compute_dtype(plugin: Any) -> torch.dtype:

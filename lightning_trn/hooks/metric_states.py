@@ -7,7 +7,7 @@ the previous step's result as an input: a second compile of the whole step, in e
 
 So in Neuron runs 0-dim tensors go to the device as device buffers (`DeviceRuntime.to_device`) when a module or a
 logged result first moves there, each metric keeps host copies of its defaults, and `Metric.reset` (hooked by
-`lightning_trn._lightning_hooks`) uploads those instead of cloning on the device. States then hold the values
+`lightning_trn.hooks.registry`) uploads those instead of cloning on the device. States then hold the values
 torchmetrics' own `reset` gives them, in buffers the steady-state graph already takes as inputs.
 """
 

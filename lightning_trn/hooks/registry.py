@@ -1,7 +1,7 @@
 """Every Lightning internal that lightning_trn replaces, in one list, and when it is in place.
 
-At `import lightning_trn` (`lightning_trn._registration`): four `_AcceleratorConnector` methods that choose the
-accelerator, strategy and precision, and (`lightning_trn.throughput`) the peak-FLOPs and compute-dtype lookups of
+At `import lightning_trn` (`lightning_trn.hooks.registration`): four `_AcceleratorConnector` methods that choose the
+accelerator, strategy and precision, and (`lightning_trn.hooks.throughput`) the peak-FLOPs and compute-dtype lookups of
 `ThroughputMonitor`. They hand every run, device and plugin that is not a Neuron one to Lightning's originals.
 
 For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyMixin.setup` to its `teardown`, after
@@ -23,8 +23,8 @@ from packaging.version import Version
 
 from torchmetrics import Metric
 
-from lightning_trn import _host_copies, _logging_hooks, _loop_shortcuts, _metric_states
-from lightning_trn.strategies import device_loader
+from lightning_trn.hooks import host_copies, loaders, loop_shortcuts, metric_states
+from lightning_trn.hooks import logging as logging_hooks
 
 #: Lightning versions whose internals the hooks were written and tested against
 TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
@@ -47,18 +47,18 @@ class Hook:
 
 
 HOOKS: tuple[Hook, ...] = (
-    Hook(result, "convert_tensors_to_scalars", _logging_hooks.conversion_unless_deferred),
-    Hook(logger_connector._LoggerConnector, "metrics", _logging_hooks.deferring_metrics),
-    Hook(result._ResultMetric, "to", _logging_hooks.result_move_shortcut),
-    Hook(Metric, "reset", _metric_states.reset_from_host),
-    Hook(Trainer, "_teardown", _host_copies.teardown_in_one_transfer),
-    Hook(LightningModule, "log", _logging_hooks.log_fast_path),
-    Hook(LightningModule, "__setattr__", _loop_shortcuts.fx_name_setattr),
-    *(Hook(module, "is_param_in_hook_signature", _loop_shortcuts.cached_signature_check)
-      for module in _loop_shortcuts.SIGNATURE_CALLERS),
-    *(Hook(module, "has_len_all_ranks", _loop_shortcuts.host_length_check)
-      for module in _loop_shortcuts.LENGTH_CHECK_CALLERS),
-    *(Hook(loop, "setup_data", device_loader.setup_data_showing_user_loaders)
+    Hook(result, "convert_tensors_to_scalars", logging_hooks.conversion_unless_deferred),
+    Hook(logger_connector._LoggerConnector, "metrics", logging_hooks.deferring_metrics),
+    Hook(result._ResultMetric, "to", logging_hooks.result_move_shortcut),
+    Hook(Metric, "reset", metric_states.reset_from_host),
+    Hook(Trainer, "_teardown", host_copies.teardown_in_one_transfer),
+    Hook(LightningModule, "log", logging_hooks.log_fast_path),
+    Hook(LightningModule, "__setattr__", loop_shortcuts.fx_name_setattr),
+    *(Hook(module, "is_param_in_hook_signature", loop_shortcuts.cached_signature_check)
+      for module in loop_shortcuts.SIGNATURE_CALLERS),
+    *(Hook(module, "has_len_all_ranks", loop_shortcuts.host_length_check)
+      for module in loop_shortcuts.LENGTH_CHECK_CALLERS),
+    *(Hook(loop, "setup_data", loaders.setup_data_showing_user_loaders)
       for loop in (_FitLoop, _EvaluationLoop, _PredictionLoop)),
 )
 

@@ -13,10 +13,10 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from torch.nn import Module
 
-from lightning_trn._metric_states import place_scalars
-from lightning_trn.plugins.io import NeuronCheckpointIO
+from lightning_trn.hooks.metric_states import place_scalars
+from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.runtime import DeviceRuntime, get_runtime
-from lightning_trn.strategies.device_loader import DevicePrefetchLoader
+from lightning_trn.core.device_loader import DevicePrefetchLoader
 
 #: how many of the latest batches from the device prefetchers `delivered` recognises (Lightning's fetcher reads one
 #: batch ahead, so the batch being transferred is the last or the second-to-last one delivered)
@@ -78,7 +78,7 @@ class NeuronStrategyCore:
     def _move_keeping_ties(self, module: Module) -> None:
         """Move `module` to the device, keeping tied weights tied (moving between the host and the device creates new
         Parameters, one per module that holds a shared one), its 0-dim tensors as device buffers, not graph
-        constants (`lightning_trn._metric_states`)."""
+        constants (`lightning_trn.hooks.metric_states`)."""
         shared = find_shared_parameters(module)
         place_scalars(module, self.root_device, self.runtime)  # type: ignore[attr-defined]
         module.to(self.root_device)  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Four hooks into Lightning's logging internals that cost XLA runs a sync, a graph or time every step.
 
 Each function here takes Lightning's original and returns its replacement (None where this Lightning version lacks
-what it relies on); `lightning_trn._lightning_hooks` installs them for Neuron runs only and restores the originals.
+what it relies on); `lightning_trn.hooks.registry` installs them for Neuron runs only and restores the originals.
 
 1. Stop Lightning from reading `prog_bar=True` metrics on the host after every batch in Neuron runs.
 `_LoggerConnector.on_batch_end` rebuilds the metric dictionaries each batch, and `_ResultCollection.metrics` turns
@@ -26,9 +26,9 @@ on the device when the epoch ends, and the bar, the logger and the callbacks the
 on XLA a small graph per kind of value (compiled once each, and again at every place a different set of them is
 pending) and a transfer per read, at every epoch end. While a one-process Neuron strategy says
 `epoch_values_on_host`, the states they come from are copied to the host in one transfer and Lightning's own
-computation runs on those copies (`lightning_trn._metric_states.epoch_values_on_host`); the values it stores are host
-tensors, as Lightning's teardown would leave them. Across processes the values' `sync_dist` reductions stay on the
-device.
+computation runs on those copies (`lightning_trn.hooks.metric_states.epoch_values_on_host`); the values it stores are
+host tensors, as Lightning's teardown would leave them. Across processes the values' `sync_dist` reductions stay on
+the device.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from torchmetrics import Metric
 
-from lightning_trn._metric_states import NEURON_DEVICE_TYPES, epoch_values_on_host, place_scalars
+from lightning_trn.hooks.metric_states import NEURON_DEVICE_TYPES, epoch_values_on_host, place_scalars
 
 _DEFER_CONVERSION: ContextVar[bool] = ContextVar("lightning_trn_defer_pbar_conversion", default=False)
 #: `_ResultMetric` attribute: the XLA device its last move went to (None after a move anywhere else)
@@ -103,7 +103,7 @@ def _computing_on_host(compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 def result_move_shortcut(move: Any) -> Optional[Callable[..., Any]]:
     """Hook 2, replacing `_ResultMetric.to`: skip a move to the Neuron device the result is already on; on its first
-    move there, its 0-dim states go as device buffers (`lightning_trn._metric_states`)."""
+    move there, its 0-dim states go as device buffers (`lightning_trn.hooks.metric_states`)."""
     if not callable(move):
         return None
 
