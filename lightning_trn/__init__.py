@@ -10,13 +10,13 @@ import os as _os
 if _os.environ.get("LIGHTNING_TRN_STANDIN", "").strip().lower() in ("1", "true", "yes"):
     import lightning_trn.standin  # noqa: F401
 
-from lightning_trn.hooks.registration import register
 from lightning_trn.accelerator import NeuronAccelerator
-from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags, NeuronHealthCheck
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.hooks.registration import register
+from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags, NeuronHealthCheck
 from lightning_trn.pytorch.precision import NeuronPrecision
-from lightning_trn.runtime import NeuronUnavailableError
 from lightning_trn.pytorch.strategies import NeuronDDPStrategy, SingleDeviceNeuronStrategy
+from lightning_trn.runtime import NeuronUnavailableError
 from lightning_trn.torch_compile import compile
 
 __version__ = "0.1.0.dev0"

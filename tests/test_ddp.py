@@ -16,12 +16,12 @@ from torch.distributed import ReduceOp
 
 import lightning_trn
 from lightning_trn import NeuronDDPStrategy
+from lightning_trn.pytorch.strategies.host_signals import install_host_sigterm_sync
 from lightning_trn.runtime import XlaRuntime
 from lightning_trn.runtime.collectives import check_world_size, reduce_op_name
 from lightning_trn.runtime.discovery import NEURON, Platform
 from lightning_trn.runtime.environment import EnvironmentPatch
 from lightning_trn.runtime.neuron_env import neuron_process_env
-from lightning_trn.pytorch.strategies.host_signals import install_host_sigterm_sync
 
 
 # ---------------------------------------------------------------- Neuron environment mapping (faked environment)

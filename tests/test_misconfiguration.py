@@ -14,9 +14,9 @@ from lightning.pytorch import Trainer
 import lightning_trn
 from lightning_trn import NeuronPrecision
 from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags
+from lightning_trn.pytorch.strategies.ddp import NeuronDDPStrategy
 from lightning_trn.runtime import BACKEND_ENV, discovery, selection
 from lightning_trn.runtime.collectives import check_world_size
-from lightning_trn.pytorch.strategies.ddp import NeuronDDPStrategy
 from models import RegressionModel
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from xla_free_python import run_without_torch_xla
 
 import lightning_trn  # noqa: F401  (registers accelerator="neuron")
-from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.core.stochastic_rounding import Bf16OptimizerStep, stochastic_round_to_bf16
+from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.runtime import Platform, get_runtime
 from lightning_trn.runtime.discovery import CPU, NEURON
 

@@ -2,12 +2,11 @@
 
 from pathlib import Path
 
-import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_trn.runtime import get_runtime
 from lightning_trn.core.device_loader import DevicePrefetchLoader
+from lightning_trn.runtime import get_runtime
 from models import RegressionModel, regression_loader
 from xla_free_python import run_without_torch_xla
 

@@ -15,8 +15,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron" and the throughput hooks
-from lightning_trn.runtime import discovery, get_runtime
 from lightning_trn.hooks.throughput import CHIP_ENV, PEAK_FLOPS, peak_flops
+from lightning_trn.runtime import discovery, get_runtime
 from models import RegressionModel, regression_loader
 
 STEPS = 8

@@ -13,10 +13,10 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from torch.nn import Module
 
-from lightning_trn.hooks.metric_states import place_scalars
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.runtime import DeviceRuntime, get_runtime
 from lightning_trn.core.device_loader import DevicePrefetchLoader
+from lightning_trn.hooks.metric_states import place_scalars
+from lightning_trn.runtime import DeviceRuntime, get_runtime
 
 #: how many of the latest batches from the device prefetchers `delivered` recognises (Lightning's fetcher reads one
 #: batch ahead, so the batch being transferred is the last or the second-to-last one delivered)

@@ -27,12 +27,12 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from lightning_trn import fabric
-from lightning_trn.hooks.registry import TESTED_LIGHTNING, lightning_version_tested
 from lightning_trn.accelerator import NeuronAccelerator
-from lightning_trn.pytorch.precision import NeuronPrecision
-from lightning_trn.runtime import neuron_hardware_present
-from lightning_trn.pytorch.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
+from lightning_trn.hooks.registry import TESTED_LIGHTNING, lightning_version_tested
 from lightning_trn.hooks.throughput import install_throughput_hooks
+from lightning_trn.pytorch.precision import NeuronPrecision
+from lightning_trn.pytorch.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
+from lightning_trn.runtime import neuron_hardware_present
 
 _HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_fallback", "_check_and_init_precision")
 _NAME = NeuronAccelerator.name()

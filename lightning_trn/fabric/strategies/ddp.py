@@ -16,8 +16,8 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
 from lightning_trn.core.data_parallel import DataParallelCore
+from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
 
 
 class _ReducedAtStep(_BackwardSyncControl):

@@ -18,8 +18,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_trn.fabric.precision import NeuronPrecision
 from lightning_trn.core.strategy import NeuronStrategyCore
+from lightning_trn.fabric.precision import NeuronPrecision
 
 
 class NeuronFabricStrategyMixin(NeuronStrategyCore):

@@ -9,8 +9,8 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import SingleDeviceStrategy
 
-from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
 from lightning_trn.core.strategy import SingleDeviceCore
+from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
 
 
 class SingleDeviceNeuronStrategy(SingleDeviceCore, NeuronFabricStrategyMixin, SingleDeviceStrategy):

@@ -15,13 +15,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
+from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks import registry as lightning_hooks
 from lightning_trn.hooks.logging import settle_progress_bar_metrics
 from lightning_trn.hooks.loop_shortcuts import install_run_shortcuts
+from lightning_trn.precompile import GRAPHS_ONLY_ENV, apply_precompile_limits, graphs_only
 from lightning_trn.pytorch.callbacks.progress_bar import HostSyncFreeMetricsMixin, host_sync_free_replacement
 from lightning_trn.pytorch.precision import NeuronPrecision
-from lightning_trn.precompile import GRAPHS_ONLY_ENV, apply_precompile_limits, graphs_only
-from lightning_trn.core.strategy import NeuronStrategyCore
 
 log = logging.getLogger(__name__)
 
