@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_trn
+from benchmarks._harness import wait_for_device
 from lightning_trn.pytorch.callbacks import CompileMonitor
 from lightning_trn.runtime import get_runtime
 
@@ -111,15 +112,12 @@ class SequenceRegressor(LightningModule):
 
 
 class IdleDeviceAtReads(Callback):
-    """Waits (without cutting a graph) until XLA's device is idle at each hook where the monitor reads the counters;
+    """Waits (without cutting a graph) until the device is idle at each hook where the monitor reads the counters;
     listed before the monitor. torch_xla counts an execution when it finishes and the monitor does not wait, so
     without this a step still running at a phase boundary is counted in the next phase."""
 
     def _wait(self, *args: Any) -> None:
-        if get_runtime().name == "xla":
-            import torch_xla.core.xla_model as xm
-
-            xm.wait_device_ops()
+        wait_for_device()
 
     on_train_batch_end = on_validation_start = on_validation_end = on_train_epoch_end = _wait
 
