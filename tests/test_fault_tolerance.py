@@ -1,4 +1,5 @@
-"""Fault tolerance: resumable `DevicePrefetchLoader`, kill -9 and resume to the same weights, atomic saves."""
+"""Fault tolerance: resumable `DevicePrefetchLoader`, random state in checkpoints, kill -9 and resume to the same
+weights (a job with every kind of randomness, DDP, Fabric, the MLP recipe), atomic saves. Both suites run it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_trn.core.checkpoint_io import LOADER_STATES_KEY, NeuronCheckpointIO
 from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
+from lightning_trn.core.random_state import (
+    RANDOM_STATE_KEY, host_states, loader_generators, set_host_states, step_seed,
+)
+from tests.models import AugmentedDataset
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = PROJECT_ROOT / "tests" / "scripts"
@@ -45,7 +50,7 @@ class FakeRuntime:
                     batch = next(source)
                 except StopIteration:
                     break
-                self.transferred.append(int(batch[0]))
+                self.transferred.append(int(batch[0]) if batch[0].numel() == 1 else batch)
                 queue.append(("device", batch))
             if not queue:
                 return
@@ -125,8 +130,62 @@ def test_prefetch_starts_after_set_epoch():
     assert order != list(sampler)
 
 
-def test_resuming_a_random_sampler_warns(caplog: pytest.LogCaptureFixture):
-    shuffled = DataLoader(list(range(10)), batch_size=1, shuffle=True)
+def _draws() -> tuple[float, float, float]:
+    import numpy as np
+
+    return float(torch.rand(())), float(np.random.rand()), random.random()
+
+
+def test_host_states_round_trip_through_a_weights_only_checkpoint(tmp_path: Path):
+    torch.manual_seed(1), random.seed(1)
+    __import__("numpy").random.seed(1)
+    torch.save(host_states(), tmp_path / "s.pt")
+    expected = _draws()
+    _draws()  # move every generator on
+    set_host_states(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert _draws() == expected
+
+
+def test_loader_generators_are_found_once_each():
+    shared = torch.Generator()
+    loader = DataLoader(list(range(8)), batch_size=2, shuffle=True, generator=shared)  # hands it to its sampler
+    assert loader_generators(loader) == [shared]
+    assert loader_generators(DataLoader(list(range(8)), batch_size=2)) == []
+
+
+def test_loader_replays_the_interrupted_epochs_order_and_samples():
+    """Mid-epoch, the loader's state is the epoch's start: restored in a fresh loader (and fresh host generators),
+    the batches after the skip are those the interrupted epoch would have drawn next, augmentation included."""
+    def loader() -> DevicePrefetchLoader:
+        plain = DataLoader(AugmentedDataset(32), batch_size=4, shuffle=True)
+        return DevicePrefetchLoader(plain, torch.device("cpu"), FakeRuntime(read_ahead=2))
+
+    torch.manual_seed(0)
+    first = loader()
+    list(first)  # an earlier epoch moves the generators on
+    iterator = iter(first)
+    done = [next(iterator) for _ in range(3)]
+    saved = first.random_state(mid_epoch=True)
+    assert saved[BATCHES_YIELDED] == len(done)
+    rest = list(iterator)
+
+    torch.manual_seed(0)  # the restarted process seeds again
+    second = loader()
+    set_host_states(saved["host"])
+    assert second.restore_random_state(saved, skip=True)
+    replayed = list(second)
+    assert len(replayed) == len(rest)
+    for (_, (x_a, y_a)), (_, (x_b, y_b)) in zip(rest, replayed):
+        assert torch.equal(x_a, x_b) and torch.equal(y_a, y_b)
+
+
+def test_step_seeds_differ_per_batch_and_depend_only_on_base_and_index():
+    seeds = {step_seed(7, i) for i in range(1000)}
+    assert len(seeds) == 1000 and step_seed(7, 3) == step_seed(7, 3) != step_seed(8, 3)
+
+
+def test_resuming_a_random_sampler_warns_unless_its_order_was_restored(caplog: pytest.LogCaptureFixture):
+    shuffled = DataLoader(list(range(10)), batch_size=1, shuffle=True, generator=torch.Generator())
     with caplog.at_level(logging.WARNING, logger="lightning_trn.core.device_loader"):
         for loader in (_numbers_loader(), shuffled):
             wrapped = DevicePrefetchLoader(loader, torch.device("cpu"), FakeRuntime())
@@ -134,7 +193,12 @@ def test_resuming_a_random_sampler_warns(caplog: pytest.LogCaptureFixture):
             next(iter(wrapped))  # the position is decided at the first batch
             if loader is not shuffled:
                 assert not caplog.records  # a sequential order needs no warning
-    assert "set_epoch" in caplog.text
+        assert "held no random state" in caplog.text
+        caplog.clear()
+        restored = DevicePrefetchLoader(shuffled, torch.device("cpu"), FakeRuntime())
+        assert restored.restore_random_state(wrapped.random_state(mid_epoch=True), skip=True)
+        next(iter(restored))
+        assert not caplog.records
 
 
 def test_loader_states_are_saved_outside_lightnings_loop_state_and_restored_on_load(tmp_path: Path):
@@ -176,9 +240,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _popen(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def _popen(args: list[str], env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], env=env or _env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, **kwargs)
 
 
 def _read_until(proc: subprocess.Popen, prefix: str, at_least: int) -> list[str]:
@@ -192,56 +256,181 @@ def _read_until(proc: subprocess.Popen, prefix: str, at_least: int) -> list[str]
     raise AssertionError(f"child ended before `{prefix} {at_least}`:\n{lines}\n{stderr}")
 
 
-def _train(out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *_train_args(out)], env=_env(), capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child and every process it started (a data-parallel job's other ranks)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
+
+
+def _train(out: Path, devices: int = 1, max_steps: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *_train_args(out, devices, max_steps)], env=_env(), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT_S)
 
 
 MAX_STEPS, EVERY, BATCHES_PER_EPOCH, KILL_AT = 40, 5, 16, 23
 
 
-def _train_args(out: Path) -> list[str]:
+def _train_args(out: Path, devices: int = 1, max_steps: int | None = None) -> list[str]:
     # the same command for every run; the delay lets the parent kill at a chosen step
-    return [str(SCRIPTS / "ft_train.py"), "--out", str(out), "--max-steps", str(MAX_STEPS), "--every", str(EVERY),
-            "--step-delay", "0.05"]
+    return [str(SCRIPTS / "ft_train.py"), "--out", str(out), "--max-steps", str(max_steps or MAX_STEPS),
+            "--every", str(EVERY), "--step-delay", "0.05", "--devices", str(devices)]
 
 
 def _start_step(stdout: str) -> int:
     return int(next(line for line in stdout.splitlines() if line.startswith("START")).split()[1])
 
 
+def _assert_same_weights(a: Path, b: Path) -> None:
+    weights_a, weights_b = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:  # the same graphs on the same inputs with the same random numbers: bitwise equal
+        assert torch.equal(weights_a[name], weights_b[name]), name
+
+
+def _kill_at_step_and_resume(tmp_path: Path, devices: int, kill_at: int, max_steps: int) -> subprocess.CompletedProcess:
+    """Run the job, SIGKILL it (all its processes) once step `kill_at` is done, start the same command again."""
+    out = tmp_path / "b"
+    proc = _popen(_train_args(out, devices, max_steps), start_new_session=True)
+    try:
+        _read_until(proc, "STEP", kill_at)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "final.pt").exists()
+    resumed = _train(out, devices, max_steps)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "not exact" not in resumed.stderr
+    return resumed
+
+
 @pytest.mark.slow
 def test_kill_9_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(tmp_path: Path):
+    """The job has every kind of randomness: a plain shuffling DataLoader, random augmentation in the dataset
+    (torch, numpy, Python) and dropout on the device. Killed mid-epoch, rerun, it ends bitwise as the uninterrupted
+    run; without the random state in the checkpoint it would not (the data order, the noise and the dropout masks)."""
     uninterrupted = _train(tmp_path / "a")
     assert uninterrupted.returncode == 0, uninterrupted.stderr
     assert _start_step(uninterrupted.stdout) == 0
 
+    resumed = _kill_at_step_and_resume(tmp_path, 1, KILL_AT, MAX_STEPS)
     out = tmp_path / "b"
-    proc = _popen(_train_args(out))
-    try:
-        _read_until(proc, "STEP", KILL_AT)  # the step-20 checkpoint is written (saves run before the next step)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (out / "final.pt").exists()
     saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved[LOADER_STATES_KEY] == [{BATCHES_YIELDED: saved["global_step"] % BATCHES_PER_EPOCH}]
     assert "combined_loader" not in saved["loops"]["fit_loop"]["state_dict"]  # a plain DataLoader can resume it too
-
-    resumed = _train(out)
-    assert resumed.returncode == 0, resumed.stderr
+    assert len(saved[RANDOM_STATE_KEY]["ranks"]) == 1
     start = _start_step(resumed.stdout)
     assert EVERY <= start < MAX_STEPS and start % EVERY == 0  # resumed from a mid-run checkpoint ...
     assert start % BATCHES_PER_EPOCH != 0  # ... taken mid-epoch (epoch 1), so the loader had to skip batches
     assert "not resumable" not in resumed.stderr  # Lightning saw a stateful loader
+    _assert_same_weights(tmp_path / "a" / "final.pt", out / "final.pt")
 
-    weights_a = torch.load(tmp_path / "a" / "final.pt", weights_only=True)
-    weights_b = torch.load(out / "final.pt", weights_only=True)
-    assert weights_a.keys() == weights_b.keys()
-    for name in weights_a:  # XLA:CPU replays the same graphs on the same inputs: bitwise equal
-        assert torch.equal(weights_a[name], weights_b[name]), name
+
+@pytest.mark.slow
+def test_kill_9_of_a_data_parallel_job_and_rerun_ends_with_the_uninterrupted_weights(tmp_path: Path):
+    """The same job on 2 processes (8 batches per rank and epoch): each rank resumes its own random state."""
+    steps = 24
+    uninterrupted = _train(tmp_path / "a", devices=2, max_steps=steps)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    resumed = _kill_at_step_and_resume(tmp_path, 2, 13, steps)
+    assert _start_step(resumed.stdout) == 10  # mid-epoch 1
+    saved = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert len(saved[RANDOM_STATE_KEY]["ranks"]) == 2
+    _assert_same_weights(tmp_path / "a" / "final.pt", tmp_path / "b" / "final.pt")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_random_state_resumes_with_one_notice(tmp_path: Path):
+    """As a checkpoint written by Lightning on a CPU/GPU or by an older lightning_trn."""
+    out = tmp_path / "old"
+    assert _train(out, max_steps=EVERY).returncode == 0
+    path = out / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint[RANDOM_STATE_KEY]
+    torch.save(checkpoint, path)
+    resumed = _train(out, max_steps=EVERY + 2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _start_step(resumed.stdout) == EVERY
+    notices = [line for line in resumed.stderr.splitlines() if "this resume is not exact" in line]
+    assert len(notices) == 1 and "holds no lightning_trn random state" in notices[0], resumed.stderr
+
+
+def _fabric_run(path: Path, steps: int, save_at: int = 0, stop_at: int = 0) -> dict[str, torch.Tensor]:
+    """A Fabric loop with a plain shuffling loader, augmentation and dropout; saves at step `save_at` (mid-epoch),
+    returns at `stop_at`, and resumes from `path` if it exists (the loader skips the batches done)."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="neuron", devices=1)
+    fabric.seed_everything(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(AugmentedDataset(64, seed=3), batch_size=8, shuffle=True))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "epoch": 0, "step": 0}
+    if path.exists():
+        fabric.load(path, state)
+    epoch, step = state["epoch"], state["step"]
+    while step < steps:
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+            step += 1
+            if step == save_at:
+                fabric.save(path, {**state, "epoch": epoch, "step": step})
+            if step in (stop_at, steps):
+                return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        epoch += 1
+    raise AssertionError("unreachable")
+
+
+def test_fabric_save_and_load_resume_mid_epoch_exactly(tmp_path: Path):
+    uninterrupted = _fabric_run(tmp_path / "unused.ckpt", steps=20)
+    _fabric_run(tmp_path / "f.ckpt", steps=20, save_at=11, stop_at=13)  # epoch 1, batch 3 of 8
+    resumed = _fabric_run(tmp_path / "f.ckpt", steps=20)
+    for name in uninterrupted:
+        assert torch.equal(uninterrupted[name], resumed[name]), name
+
+
+def _recipe(out: Path, *overrides: str, **kwargs: Any) -> subprocess.Popen:
+    args = ["-m", "recipes.mlp", f"out_dir={out}", "model.hidden=[32]", "trainer.max_epochs=4",
+            "trainer.limit_train_batches=40", "trainer.enable_progress_bar=false", *overrides]
+    return _popen(args, cwd=str(PROJECT_ROOT), **kwargs)
+
+
+def _recipe_result(proc: subprocess.Popen, out: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, stderr
+    assert "not exact" not in stderr
+    line = next(line for line in stdout.splitlines() if "held-out test" in line)
+    return line, torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
+@pytest.mark.slow
+def test_mlp_recipe_killed_at_a_random_moment_and_restarted_ends_as_the_uninterrupted_run(tmp_path: Path):
+    """`python -m recipes.mlp` (its plain generator-seeded shuffle, epoch-end checkpoints), killed at a random
+    moment after its first checkpoint (training, validation or a save), restarted with `ckpt_path=`: the same test
+    metrics and weights."""
+    expected_line, expected = _recipe_result(_recipe(tmp_path / "a"), tmp_path / "a")
+    out, rng = tmp_path / "b", random.Random()
+    ckpt = out / "checkpoints" / "last.ckpt"
+    proc = _recipe(out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.0))  # somewhere in a later epoch
+    finally:
+        _kill_group(proc)
+    if proc.returncode != -signal.SIGKILL:
+        pytest.fail(f"the run ended before the kill (exit {proc.returncode}): nothing was tested")
+    line, resumed = _recipe_result(_recipe(out, f"ckpt_path={ckpt}"), out)
+    assert line == expected_line
+    for name in expected:
+        assert torch.equal(expected[name], resumed[name]), name
 
 
 @pytest.fixture

@@ -225,6 +225,14 @@ class DataParallelCore:
         dist.all_reduce(votes, op=ReduceOp.SUM, group=self._host_group)
         return bool(votes == self.world_size) if all else bool(votes)
 
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, over the host group (no device memory)."""
+        if not _distributed_is_initialized():
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size  # type: ignore[attr-defined]
+        dist.all_gather_object(gathered, obj, group=self._host_group)
+        return gathered
+
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
             dist.barrier(group=self._host_group)

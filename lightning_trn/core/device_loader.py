@@ -12,6 +12,9 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import RandomSampler
 
+from lightning_trn.core.random_state import (
+    generator_states, host_states, loader_generators, set_generator_states,
+)
 from lightning_trn.runtime import DeviceRuntime
 
 log = logging.getLogger(__name__)
@@ -19,7 +22,8 @@ log = logging.getLogger(__name__)
 #: `state_dict()` key: batches of the current epoch handed to the training loop (including skipped ones)
 BATCHES_YIELDED = "batches_yielded"
 _OWN_ATTRIBUTES = (
-    "_loader", "_device", "_runtime", "_deliveries", "_position", "_before_batch", "_yielded", "_skip"
+    "_loader", "_device", "_runtime", "_deliveries", "_position", "_before_batch", "_yielded", "_skip",
+    "_epoch_start", "_order_restored",
 )
 
 
@@ -44,6 +48,11 @@ class DevicePrefetchLoader:
     Every batch handed out is also appended to `deliveries` when given (a bounded deque the strategy owns), so the
     strategy can recognise a batch that is already on the device without walking its tensors. `before_batch`, when
     given, is called before each batch is handed out (Fabric's strategies cut the graph there).
+
+    Random state (`lightning_trn.core.random_state`): when an epoch's iteration starts, the loader notes the host
+    generators' and its own generators' states, so that a checkpoint taken mid-epoch can hold the states the epoch
+    started from (`random_state`): a resumed run restores them (`restore_random_state`) and draws the same order, the
+    same worker seeds and the same augmentation for the batches it skips and for the rest of the epoch.
     """
 
     def __init__(
@@ -63,11 +72,16 @@ class DevicePrefetchLoader:
         self._before_batch = before_batch
         self._yielded = 0
         self._skip = 0
+        #: host and loader generator states at the start of the epoch being iterated (None: no epoch under way)
+        self._epoch_start: Optional[dict[str, Any]] = None
+        #: the epoch's order was restored from a checkpoint (`restore_random_state`): no warning when skipping
+        self._order_restored = False
 
     def __iter__(self) -> Iterator:
         return self._batches()
 
     def _batches(self) -> Iterator:
+        self._epoch_start = {"host": host_states(), "generators": generator_states(loader_generators(self._loader))}
         skip = self._start_position()
         self._yielded = skip
         source = itertools.islice(self._loader, skip, None) if skip else self._loader
@@ -80,6 +94,7 @@ class DevicePrefetchLoader:
                 deliveries.append(batch)
             yield batch
         self._yielded = 0  # exhausted: a checkpoint taken now resumes at the start of the next epoch
+        self._epoch_start = None
 
     def __len__(self) -> int:
         return len(self._loader)
@@ -96,20 +111,45 @@ class DevicePrefetchLoader:
         """
         self._skip = int(state_dict.get(BATCHES_YIELDED, 0))
 
+    @property
+    def in_epoch(self) -> bool:
+        """Whether an epoch's iteration has started and not run out."""
+        return self._epoch_start is not None
+
+    def random_state(self, mid_epoch: bool) -> dict[str, Any]:
+        """What a resumed run needs to draw this loader's batches again: `mid_epoch`, the host and loader generator
+        states at the start of the current epoch and the batches handed out since; otherwise the loader generators'
+        states now (`host` None: the host generators as they are now)."""
+        if mid_epoch and self._epoch_start is not None:
+            return {**self._epoch_start, BATCHES_YIELDED: self._yielded}
+        return {"host": None, "generators": generator_states(loader_generators(self._loader)), BATCHES_YIELDED: 0}
+
+    def restore_random_state(self, state: dict[str, Any], skip: bool = False) -> bool:
+        """Put back the loader generators' states from `random_state`; with `skip`, the next iteration also skips
+        the batches handed out before (Fabric, which has no loop to count them). False when the generators do not
+        match the saved ones (another loader): nothing is changed."""
+        if not set_generator_states(loader_generators(self._loader), state["generators"]):
+            return False
+        self._order_restored = True
+        if skip:
+            self._skip = int(state[BATCHES_YIELDED])
+        return True
+
     def _start_position(self) -> int:
         """Batches of this epoch to skip, decided at the first `next()` (the loop has restored its progress by then):
         the loop's own count when the strategy gave one, else what `load_state_dict` restored."""
         skip, self._skip = self._skip, 0
+        order_restored, self._order_restored = self._order_restored, False
         if self._position is not None:
             skip = self._position()
         length = self._length()
         if length is not None and skip >= length:
             skip = 0
-        if skip and self._shuffles_without_epoch_seed():
+        if skip and not order_restored and self._shuffles_without_epoch_seed():
             log.warning(
                 "lightning_trn: resuming mid-epoch by skipping %d batches, but the train loader shuffles with a "
-                "`RandomSampler`, whose order after a restart differs from the interrupted epoch's. For an exact "
-                "resume use a sampler with `set_epoch` (see docs/fault-tolerance.md).",
+                "`RandomSampler` and the checkpoint held no random state to restore its order: the rest of the epoch "
+                "sees a different order than the interrupted one (see docs/fault-tolerance.md).",
                 skip,
             )
         return skip

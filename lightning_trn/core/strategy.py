@@ -1,9 +1,10 @@
 """`NeuronStrategyCore`: the device logic every Neuron strategy shares, the Trainer's (`NeuronStrategyMixin`) and
-Fabric's (`lightning_trn.fabric`) alike: the runtime, portable checkpoints, moving a module without untying its
-weights, and the device prefetcher."""
+Fabric's (`lightning_trn.fabric`) alike: the runtime, portable checkpoints with the run's random state, moving a
+module without untying its weights, and the device prefetcher."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from typing import Any, Callable, Optional
@@ -14,13 +15,18 @@ from lightning.pytorch.utilities import find_shared_parameters, set_shared_param
 from torch.nn import Module
 
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.core.device_loader import DevicePrefetchLoader
+from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
+from lightning_trn.core.random_state import (
+    RANDOM_STATE_VERSION, base_device_seed, host_states, not_exact_notice, rank_entry, set_host_states, step_seed,
+)
 from lightning_trn.hooks.metric_states import place_scalars
 from lightning_trn.runtime import DeviceRuntime, get_runtime
 
 #: how many of the latest batches from the device prefetchers `delivered` recognises (Lightning's fetcher reads one
 #: batch ahead, so the batch being transferred is the last or the second-to-last one delivered)
 _RECENT_DELIVERIES = 4
+
+log = logging.getLogger(__name__)
 
 
 class NeuronStrategyCore:
@@ -35,6 +41,8 @@ class NeuronStrategyCore:
         super().__init__(*args, **kwargs)
         #: the latest batches this strategy's prefetchers handed out (already on the device)
         self._deliveries: deque = deque(maxlen=_RECENT_DELIVERIES)
+        #: the run's base device seed; training batch i draws from `step_seed(_device_seed, i)`
+        self._device_seed = 0
 
     @property
     def runtime(self) -> DeviceRuntime:
@@ -102,10 +110,60 @@ class NeuronStrategyCore:
 
     def _seed_device(self) -> None:
         """Make `seed_everything(s)` reach the device RNG (dropout, stochastic rounding): every rank gets the same
-        seed, as Lightning seeds every rank's host RNG the same."""
+        seed, as Lightning seeds every rank's host RNG the same. It is also the base of the per-batch seeds."""
         seed = os.environ.get("PL_GLOBAL_SEED")
+        self._device_seed = base_device_seed(seed)
         if seed is not None:
-            self.runtime.manual_seed(int(seed))
+            self.runtime.manual_seed(self._device_seed)
+
+    def _seed_batch(self, batch_index: int) -> None:
+        """Seed the device RNG for training batch `batch_index` of the run (`lightning_trn.core.random_state`)."""
+        self.runtime.manual_seed(step_seed(self._device_seed, batch_index))
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (data-parallel strategies gather over the host group)."""
+        return [obj]
+
+    def _random_state_to_save(
+        self, loaders: list[DevicePrefetchLoader], mid_epoch: Optional[bool], **extra: Any
+    ) -> dict[str, Any]:
+        """The checkpoint's `RANDOM_STATE_KEY` value: every rank's random state (called on every rank).
+
+        `mid_epoch`: whether the run resumes inside the training loaders' current epoch (None: each loader says
+        whether its iteration is under way). The host states are those of the first loader's epoch start then, the
+        states now otherwise."""
+        states = [loader.random_state(loader.in_epoch if mid_epoch is None else mid_epoch) for loader in loaders]
+        host = next((state["host"] for state in states if state["host"] is not None), None)
+        entry = {
+            "host": host if host is not None else host_states(),
+            "loaders": [{"generators": s["generators"], BATCHES_YIELDED: s[BATCHES_YIELDED]} for s in states],
+            "device_seed": self._device_seed,
+            **extra,
+        }
+        return {"version": RANDOM_STATE_VERSION, "ranks": self._gather_objects(entry)}
+
+    def _restore_random_state(
+        self, saved: Any, loaders: list[DevicePrefetchLoader], skip: bool = False
+    ) -> Optional[dict[str, Any]]:
+        """Put back this rank's random state from a checkpoint's `RANDOM_STATE_KEY` value (`saved`, None if absent);
+        returns the rank's entry, or None after logging once why the resume is not exact."""
+        entry, reason = rank_entry(saved, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+        if entry is not None and len(entry["loaders"]) != len(loaders):
+            entry, reason = None, (
+                f"the checkpoint holds the random state of {len(entry['loaders'])} training loader(s) and this run "
+                f"has {len(loaders)}"
+            )
+        if entry is not None:
+            restored = [loader.restore_random_state(state, skip) for loader, state in zip(loaders, entry["loaders"])]
+            if not all(restored):
+                entry, reason = None, "a training loader's generators differ from those of the checkpoint's loader"
+        if entry is None:
+            if self.global_rank == 0:  # type: ignore[attr-defined]
+                log.warning(not_exact_notice(reason))
+            return None
+        set_host_states(entry["host"])
+        self._device_seed = int(entry["device_seed"])
+        return entry
 
 
 class SingleDeviceCore:

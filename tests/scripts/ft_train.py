@@ -3,8 +3,9 @@
 `python ft_train.py --out DIR` trains a small MLP with SGD on `accelerator="neuron"` for `--max-steps` steps, writing
 `DIR/checkpoints/last.ckpt` every `--every` steps (mid-epoch) and resuming from it (`ckpt_path="last"`) if present.
 Prints `START <global_step>` once training starts (after any restore) and `STEP <global_step>` after every step, then
-`DIR/final.pt` with the final weights. The data is shuffled by a sampler with `set_epoch` (epoch-seeded), as
-docs/fault-tolerance.md asks for an exact resume.
+`DIR/final.pt` with the final weights. Everything random that a user's job has is there: a plain
+`DataLoader(shuffle=True)` (a `RandomSampler` drawing from the global generator), a dataset that augments every
+sample with torch, numpy and Python random numbers, and dropout on the device; `--devices 2` runs it data-parallel.
 """
 
 from __future__ import annotations
@@ -17,32 +18,35 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_trn  # noqa: F401  (registers accelerator="neuron")
+from tests.models import AugmentedDataset
 
 SEED = 7
-SAMPLES, BATCH_SIZE = 256, 16  # 16 batches per epoch
+SAMPLES, BATCH_SIZE = 256, 16  # 16 batches per epoch (8 per rank with --devices 2)
 
 
 class Progress(pl.Callback):
-    """Reports the step the run starts from and each finished step on stdout, for the parent test to act on."""
+    """Reports the step the run starts from and each finished step on stdout (rank 0), for the parent test."""
 
     def __init__(self, step_delay: float) -> None:
         self.step_delay = step_delay
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        print(f"START {trainer.global_step}", flush=True)
+        if trainer.is_global_zero:  # one writer: ranks share the parent's stdout
+            print(f"START {trainer.global_step}", flush=True)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        print(f"STEP {trainer.global_step}", flush=True)
+        if trainer.is_global_zero:
+            print(f"STEP {trainer.global_step}", flush=True)
         time.sleep(self.step_delay)  # gives the parent time to kill the run at a chosen step
 
 
 class MLP(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 1))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -52,11 +56,7 @@ class MLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(SEED)
-        x = torch.randn(SAMPLES, 8, generator=generator)
-        dataset = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
-        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
-        return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
+        return DataLoader(AugmentedDataset(SAMPLES, SEED), batch_size=BATCH_SIZE, shuffle=True)
 
 
 def main() -> None:
@@ -65,12 +65,13 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--step-delay", type=float, default=0.0)
+    parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args()
 
     pl.seed_everything(SEED)
     model = MLP()
     trainer = pl.Trainer(
-        accelerator="neuron", devices=1, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
+        accelerator="neuron", devices=args.devices, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=args.out,
         callbacks=[
             Progress(args.step_delay),
@@ -79,7 +80,8 @@ def main() -> None:
         ],
     )
     trainer.fit(model, ckpt_path="last")
-    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
+    if trainer.is_global_zero:
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ Where the graph is cut (one compiled graph per step, nothing read from the devic
 batch is taken from a loader set up with `fabric.setup_dataloaders` if no optimizer step ran since the last batch
 (an evaluation loop, or a gradient-accumulation micro-batch: that batch's work becomes its own graph instead of
 growing, and changing, the next one).
+
+Random state (docs/fault-tolerance.md): `fabric.save` also stores every rank's random state (host generators, the
+loaders' generators, the device seed and how many batches the loaders handed out), and `fabric.load(path, state)`
+puts it back; a loader that was inside an epoch then skips, at its next iteration, the batches it had handed out, so
+a loop that re-enters that epoch continues exactly where the saved run was.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_trn.core.device_loader import DevicePrefetchLoader
+from lightning_trn.core.random_state import RANDOM_STATE_KEY
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.fabric.precision import NeuronPrecision
 
@@ -34,6 +41,10 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         #: host Parameter -> its device Parameter, for optimizers built before the module moved
         self._moved: dict[Tensor, Tensor] = {}
         self._device_seeded = False
+        #: the loaders set up with `fabric.setup_dataloaders`, in order (their random state goes into checkpoints)
+        self._loaders: list[DevicePrefetchLoader] = []
+        #: batches handed out by those loaders: batch i's random numbers come from `step_seed(device seed, i)`
+        self._batches_taken = 0
 
     @property
     def precision(self) -> Precision:
@@ -70,12 +81,18 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
     def process_dataloader(self, dataloader: Any) -> Any:
         """Batches are copied to the device in the background while the previous step runs; the graph is cut before
         a batch when no optimizer step did since the last one (module docstring)."""
-        return self._prefetching(dataloader, before_batch=self._cut_unless_stepped)
+        loader = self._prefetching(dataloader, before_batch=self._before_batch)
+        if not any(loader is known for known in self._loaders):
+            self._loaders.append(loader)
+        return loader
 
-    def _cut_unless_stepped(self) -> None:
+    def _before_batch(self) -> None:
+        """Cut the graph unless an optimizer step just did, then seed the device RNG for this batch."""
         if not self._cut_after_step:
             self.runtime.sync()
         self._cut_after_step = False
+        self._seed_batch(self._batches_taken)
+        self._batches_taken += 1
 
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         """Between backward and the update; single-device strategies have nothing to reduce."""
@@ -96,6 +113,19 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """Materialise pending device work first, so the tensors copied to the host are the current ones; the file
-        holds CPU tensors only (`NeuronCheckpointIO`), as the Trainer's do."""
+        holds CPU tensors only (`NeuronCheckpointIO`), as the Trainer's do, and every rank's random state. Called on
+        every rank."""
         self.runtime.sync()
+        random_state = self._random_state_to_save(self._loaders, None, batches=self._batches_taken)
+        state = {**state, RANDOM_STATE_KEY: random_state}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+
+    def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state, or says
+        once why the resume is not exact. Set up the dataloaders before loading."""
+        remainder = super().load_checkpoint(path, state, *args, **kwargs)  # type: ignore[misc]
+        if isinstance(state, dict) and state:
+            entry = self._restore_random_state(remainder.pop(RANDOM_STATE_KEY, None), self._loaders, skip=True)
+            if entry is not None:
+                self._batches_taken = int(entry.get("batches", 0))
+        return remainder

@@ -10,11 +10,14 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import XLAProfiler
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
+from lightning_trn.core.device_loader import DevicePrefetchLoader
+from lightning_trn.core.random_state import RANDOM_STATE_KEY
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks import registry as lightning_hooks
 from lightning_trn.hooks.logging import settle_progress_bar_metrics
@@ -24,6 +27,9 @@ from lightning_trn.pytorch.callbacks.progress_bar import HostSyncFreeMetricsMixi
 from lightning_trn.pytorch.precision import NeuronPrecision
 
 log = logging.getLogger(__name__)
+
+#: `_resume_random_state` when the run does not resume a training checkpoint
+_NOT_RESUMING = object()
 
 #: LightningModule / LightningDataModule hooks that may change a batch on its way to the device
 _BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
@@ -41,6 +47,19 @@ def _resume_position(trainer: pl.Trainer) -> Callable[[], int]:
         return 0
 
     return position
+
+
+def _train_prefetchers(trainer: pl.Trainer) -> list[DevicePrefetchLoader]:
+    """The device prefetchers iterating the fit loop's training loaders (empty before the fit loop set them up)."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return [] if combined is None else [dl for dl in combined.flattened if isinstance(dl, DevicePrefetchLoader)]
+
+
+def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
+    """Whether a run resumed from a checkpoint taken now continues inside the current training epoch (the loader
+    then skips the batches done, see `_resume_position`), rather than at the next epoch's start."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return trainer.training and not progress.is_last_batch and progress.current.processed > 0
 
 
 class NeuronStrategyMixin(NeuronStrategyCore):
@@ -69,6 +88,8 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         self._holds_lightning_hooks = False
         #: where the runtime records the `XLAProfiler` trace of the current run (None: no trace running)
         self._trace_dir: Optional[str] = None
+        #: the random state of the checkpoint `fit` resumes from, put back at `on_train_start`
+        self._resume_random_state: Any = _NOT_RESUMING
 
     @property
     def precision_plugin(self) -> Precision:
@@ -132,7 +153,25 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         if batch_idx == 0 or not self._cut_after_step:
             self.runtime.sync()
         self._cut_after_step = False
+        self._seed_batch(self.lightning_module.trainer.fit_loop.epoch_loop.total_batch_idx)  # type: ignore[attr-defined]
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+    def on_train_start(self) -> None:
+        """Resuming a checkpoint: put back its random state (host, training loaders, device seed) now, after the
+        sanity check and before the first training batch is drawn, or say once why the resume is not exact."""
+        super().on_train_start()  # type: ignore[misc]
+        if self._resume_random_state is not _NOT_RESUMING:
+            saved, self._resume_random_state = self._resume_random_state, _NOT_RESUMING
+            trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+            self._restore_random_state(saved, _train_prefetchers(trainer))
+
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load; when `fit` resumes the checkpoint, its random state is kept for `on_train_start`."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+        module = self._lightning_module  # type: ignore[attr-defined]
+        if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
+            self._resume_random_state = checkpoint.pop(RANDOM_STATE_KEY, None)
+        return checkpoint
 
     def on_validation_end(self) -> None:
         self._cut_after_step = False  # epoch-end work of the validation loop is pending
@@ -158,7 +197,8 @@ class NeuronStrategyMixin(NeuronStrategyCore):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        """Materialise pending device work first, so the tensors copied to the host are the current ones.
+        """Materialise pending device work first, so the tensors copied to the host are the current ones; add every
+        rank's random state (`lightning_trn.core.random_state`). Called on every rank.
 
         Skipped (with a log line) under `NEURON_EXTRACT_GRAPHS_ONLY=1`, where tensors hold fake values.
         """
@@ -166,6 +206,11 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             log.info("lightning_trn: %s=1, outputs are fake: not saving checkpoint %s.", GRAPHS_ONLY_ENV, filepath)
             return
         self.runtime.sync()
+        module = self._lightning_module  # type: ignore[attr-defined]
+        if module is not None and module._trainer is not None:
+            trainer = module._trainer
+            random_state = self._random_state_to_save(_train_prefetchers(trainer), _resumes_mid_epoch(trainer))
+            checkpoint = {**checkpoint, RANDOM_STATE_KEY: random_state}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -201,6 +246,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             super().teardown()  # type: ignore[misc]
             set_shared_parameters(module, shared)
         finally:
+            self._resume_random_state = _NOT_RESUMING
             if self._holds_lightning_hooks:
                 self._holds_lightning_hooks = False
                 lightning_hooks.release()

@@ -1,0 +1,120 @@
+"""The random state a resumed run needs to continue exactly where the interrupted one was (docs/fault-tolerance.md).
+
+Three sources of randomness decide what a training run does next:
+
+- the host generators the data pipeline draws from: torch's CPU generator, numpy's and Python's `random` (random
+  augmentation in a dataset, a `DataLoader`'s worker seeds, a `RandomSampler` without a generator of its own);
+- the generators a training loader owns (`DataLoader(generator=...)`, `RandomSampler(generator=...)`), which decide
+  the shuffling order;
+- the device generator the step draws from (dropout, stochastic rounding).
+
+The host and loader states are taken where the resumed run's training iteration starts again: at the start of the
+interrupted epoch when it resumes mid-epoch (the skipped batches are then drawn again, on the host, exactly as
+before), at the checkpoint otherwise. The device generator is re-seeded at every training batch from a base seed and
+the batch's index (`step_seed`), so the step's random numbers depend on where it is in the run, not on how many graph
+cuts happened before it (on XLA every cut advances the device seed).
+
+Everything is stored as CPU tensors and plain Python values, so `torch.load(..., weights_only=True)` loads it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+import torch
+
+#: top-level checkpoint key: {"version": 1, "ranks": [one entry per rank]}
+RANDOM_STATE_KEY = "lightning_trn_random_state"
+RANDOM_STATE_VERSION = 1
+_MASK_63 = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment: consecutive steps get well-separated seeds
+
+
+def host_states() -> dict[str, Any]:
+    """The host generators' states: torch's CPU generator, numpy's global one (if numpy is installed), Python's."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+    except ImportError:
+        return states
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    states["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return states
+
+
+def set_host_states(states: dict[str, Any]) -> None:
+    """Put back what `host_states` returned (a generator missing from `states` is left as it is)."""
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "python" in states:
+        version, internal, gauss_next = states["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+    if "numpy" in states:
+        import numpy as np
+
+        saved = states["numpy"]
+        np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["position"],
+                             saved["has_gauss"], saved["cached_gaussian"]))
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The distinct `torch.Generator`s a DataLoader draws its order and worker seeds from, in a fixed order: its own,
+    its sampler's, its batch sampler's and that one's sampler's (a `DataLoader(shuffle=True, generator=g)` hands `g`
+    to its `RandomSampler`, so that is one generator)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    found: list[torch.Generator] = []
+    for owner in owners:
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and not any(generator is g for g in found):
+            found.append(generator)
+    return found
+
+
+def generator_states(generators: list[torch.Generator]) -> list[torch.Tensor]:
+    return [generator.get_state() for generator in generators]
+
+
+def set_generator_states(generators: list[torch.Generator], states: list[torch.Tensor]) -> bool:
+    """Restore `states` into `generators`; False (nothing changed) when they do not pair up one to one."""
+    if len(generators) != len(states):
+        return False
+    for generator, state in zip(generators, states):
+        generator.set_state(state)
+    return True
+
+
+def step_seed(base: int, batch_index: int) -> int:
+    """The device seed of training batch `batch_index` (counted over the whole run) of a run seeded with `base`."""
+    return (base + (batch_index + 1) * _GOLDEN) & _MASK_63
+
+
+def base_device_seed(global_seed: Optional[str]) -> int:
+    """The run's base device seed: `seed_everything`'s (`PL_GLOBAL_SEED`), else the CPU generator's initial seed."""
+    return int(global_seed) if global_seed is not None else torch.initial_seed()
+
+
+def rank_entry(saved: Any, rank: int, world_size: int) -> tuple[Optional[dict[str, Any]], str]:
+    """This rank's entry of a checkpoint's `RANDOM_STATE_KEY` value, or None with the reason it cannot be used."""
+    if saved is None:
+        return None, (
+            "the checkpoint holds no lightning_trn random state (it was written by Lightning on a CPU or GPU, or by "
+            "an older lightning_trn)"
+        )
+    if not isinstance(saved, dict) or saved.get("version") != RANDOM_STATE_VERSION:
+        return None, "the checkpoint's lightning_trn random state has a format this version does not read"
+    ranks = saved.get("ranks") or []
+    if len(ranks) != world_size:
+        return None, f"the checkpoint was written by {len(ranks)} process(es) and this run has {world_size}"
+    return ranks[rank], ""
+
+
+def not_exact_notice(reason: str) -> str:
+    """The one line a resume without usable random state logs."""
+    return (
+        f"lightning_trn: this resume is not exact: {reason}. The data order and the random ops (dropout, "
+        "augmentation) continue from freshly seeded generators, so the run will not end exactly where an "
+        "uninterrupted one would (docs/fault-tolerance.md)."
+    )
