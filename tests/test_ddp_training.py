@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch import child_env
+
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
 #: float32 SGD on a 2-process mean of means vs a 1-process mean: equal up to summation order
 WEIGHT_TOLERANCE = 1e-6
@@ -24,19 +24,10 @@ WEIGHT_TOLERANCE = 1e-6
 RUN_TIMEOUT_S = 150
 
 
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    """This environment minus any launcher variables, so each launch sets its own ranks and ports."""
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("TORCHELASTIC", "PL_"))}
-    env.update(PJRT_DEVICE="CPU", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(PROJECT_ROOT))
-    return env
 
 
 def _train_args(out: Path, devices: int, num_nodes: int = 1, *extra: str) -> list[str]:
@@ -47,7 +38,7 @@ def _train_args(out: Path, devices: int, num_nodes: int = 1, *extra: str) -> lis
 
 def _run(command: list[str], out: Path) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(command, env=_env(), cwd=out, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return subprocess.run(command, env=child_env(), cwd=out, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
 def _torchrun(nproc: int, nnodes: int = 1, node_rank: int = 0, port: int = 0) -> list[str]:
@@ -127,7 +118,7 @@ def test_two_nodes_train_and_checkpoint_once(tmp_path: Path, reference: tuple) -
     nodes = [
         subprocess.Popen(
             [*_torchrun(nproc=1, nnodes=2, node_rank=rank, port=port), *_train_args(tmp_path, devices=1, num_nodes=2)],
-            env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=child_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in (0, 1)
     ]
