@@ -18,7 +18,8 @@ from lightning_trn import NeuronHealthCheck
 from lightning_trn.healthcheck import EXIT_HUNG, HealthCheckError
 from lightning_trn.healthcheck.__main__ import _launch_defaults
 from models import RegressionModel, regression_loader
-from test_ddp_training import _env, _torchrun
+from launch import child_env
+from test_ddp_training import _torchrun
 
 FAULTY = Path(__file__).parent / "scripts" / "faulty_healthcheck.py"
 #: a 2-process check (interpreters starting, a few small graphs compiled) ends well within this
@@ -28,7 +29,7 @@ TIMEOUT_S = 150
 def _check(tmp_path: Path, *command: str, timeout: float = 20, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
     report = tmp_path / "report.json"
     args = [*command, "--size-mb", "1", "--iters", "2", "--timeout", str(timeout), "--json", str(report)]
-    result = subprocess.run(args, env={**_env(), **env}, cwd=tmp_path, capture_output=True, text=True,
+    result = subprocess.run(args, env=child_env(**env), cwd=tmp_path, capture_output=True, text=True,
                             timeout=TIMEOUT_S)
     return result, json.loads(report.read_text()) if report.exists() else {}
 
