@@ -43,9 +43,19 @@ def test_import_leaves_lightning_as_it_is():
     assert all(value is None or "lightning_trn" not in getattr(value, "__module__", "") for value in LIGHTNING.values())
 
 
+def applicable() -> set[str]:
+    """The hooks that apply to this process's backend (the activation-checkpointing fence and `torch.xla` are XLA's
+    only), as `registry.acquire` decides."""
+    return {f"{id(h.owner)}.{h.name}" for h in lightning_hooks.HOOKS
+            if h.make(h.owner.__dict__.get(h.name)) is not None}
+
+
 def test_a_neuron_run_hooks_lightning_for_its_duration_only():
     during = fit("neuron")
-    assert all(during[name] is not LIGHTNING[name] for name in LIGHTNING), "every hook installed during the run"
+    hooked = applicable()
+    assert len(hooked) >= len(LIGHTNING) - 3
+    assert all(during[name] is not LIGHTNING[name] for name in hooked), "every applicable hook installed during the run"
+    assert all(during[name] is LIGHTNING[name] for name in set(LIGHTNING) - hooked)
     assert current() == LIGHTNING
     assert fit("cpu") == LIGHTNING  # a CPU run afterwards runs Lightning's own code
     assert current() == LIGHTNING

@@ -1,4 +1,4 @@
-"""Every Lightning internal that lightning_trn replaces, in one list, and when it is in place.
+"""Every Lightning (and torch) internal that lightning_trn replaces, in one list, and when it is in place.
 
 At `import lightning_trn` (`lightning_trn.hooks.registration`): four `_AcceleratorConnector` methods that choose the
 accelerator, strategy and precision, and (`lightning_trn.hooks.throughput`) the peak-FLOPs and compute-dtype lookups of
@@ -7,7 +7,9 @@ accelerator, strategy and precision, and (`lightning_trn.hooks.throughput`) the 
 For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyMixin.setup` to its `teardown`, after
 which Lightning's originals are back, so a CPU or GPU run in the same process runs Lightning's own code. Each saves
 host time or a device sync per step on Neuron and gives Lightning's result (tests/test_logging_fast_path.py,
-tests/test_loop_shortcuts.py); each is skipped where the Lightning version is untested or lacks what it replaces.
+tests/test_loop_shortcuts.py), or makes torch's activation checkpointing work on the run's device
+(`activation_checkpointing`, tests/test_activation_checkpointing.py); each is skipped where the Lightning version is
+untested or lacks what it replaces.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from lightning.pytorch.loops import _EvaluationLoop, _FitLoop, _PredictionLoop
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from packaging.version import Version
 
+import torch
+import torch.utils.checkpoint
 from torchmetrics import Metric
 
-from lightning_trn.hooks import host_copies, loaders, loop_shortcuts, metric_states
+from lightning_trn.hooks import activation_checkpointing, host_copies, loaders, loop_shortcuts, metric_states
 from lightning_trn.hooks import logging as logging_hooks
 
 #: Lightning versions whose internals the hooks were written and tested against
@@ -60,6 +64,11 @@ HOOKS: tuple[Hook, ...] = (
       for module in loop_shortcuts.LENGTH_CHECK_CALLERS),
     *(Hook(loop, "setup_data", loaders.setup_data_showing_user_loaders)
       for loop in (_FitLoop, _EvaluationLoop, _PredictionLoop)),
+    Hook(torch, "xla", activation_checkpointing.xla_device_module),
+    Hook(torch.utils.checkpoint, "_get_device_module", activation_checkpointing.device_module_lookup),
+    Hook(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator",
+         activation_checkpointing.fenced_non_reentrant),
+    Hook(torch.utils.checkpoint, "CheckpointFunction", activation_checkpointing.fenced_reentrant),
 )
 
 _installed: list[tuple[Hook, Any]] = []

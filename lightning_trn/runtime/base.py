@@ -68,6 +68,18 @@ def autograd_lacks_device_worker(err: RuntimeError) -> bool:
     return "device_ready_queues_" in str(err)
 
 
+class _InitializedDeviceModule:
+    """A device module as `torch.utils.checkpoint` reads it: `module`'s functions, reported initialized."""
+
+    _initialized = True
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
 class DeviceRuntime(ABC):
     """One device backend. Methods are called on every rank; none may block unless its docstring says so."""
 
@@ -172,6 +184,20 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def manual_seed(self, seed: int) -> None:
         """Seed the device's random number generator (`torch.manual_seed` does not reach it on XLA)."""
+
+    def checkpoint_device_module(self) -> Any:
+        """The device module `torch.utils.checkpoint` should save and restore this device's RNG state through
+        (`device`, `get_rng_state`, `set_rng_state`, and `_initialized` true: torch skips the device's RNG state,
+        so dropout recomputes other masks, when a module lacks it, as TorchNeuron's `torch.neuron` does)."""
+        return _InitializedDeviceModule(torch.get_device_module(self.device_type))
+
+    #: whether the compiler may merge an activation-checkpointing recompute with the original forward (XLA's
+    #: common-subexpression elimination), so the recompute is fenced with `optimization_barrier_`
+    fences_recompute: bool = False
+
+    def optimization_barrier_(self, tensors: list[torch.Tensor]) -> None:
+        """Fence `tensors` in place so the compiler cannot merge work computed from them with work computed before
+        (an activation-checkpointing recompute with the original forward); nothing on eager backends."""
 
     @abstractmethod
     def world_size(self) -> int:

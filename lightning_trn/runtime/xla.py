@@ -5,6 +5,7 @@ torch_xla is imported lazily, inside the methods, so `import lightning_trn` work
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -68,6 +69,30 @@ def _split_tensors(batch: Any) -> tuple[list[torch.Tensor], Any]:
 
 def _join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return apply_to_collection(skeleton, _TensorSlot, lambda slot: tensors[slot.index])
+
+
+class _XlaDeviceModule:
+    """What `torch.utils.checkpoint` and `torch.random.fork_rng` ask of `torch.xla`, which torch_xla does not register:
+    the device's RNG state is the runtime's seed (an int, `xm.get_rng_state`), one device per process."""
+
+    #: read by torch's checkpoint before it saves the device RNG state for the recompute
+    _initialized = True
+
+    @staticmethod
+    def device(index: Any = None) -> AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> int:
+        return _import("torch_xla.core.xla_model").get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: Any, device: Any = None) -> None:
+        _import("torch_xla.core.xla_model").set_rng_state(int(state))
 
 
 class XlaRuntime(DeviceRuntime):
@@ -177,6 +202,16 @@ class XlaRuntime(DeviceRuntime):
 
     def manual_seed(self, seed: int) -> None:
         _import("torch_xla.core.xla_model").set_rng_state(seed)
+
+    fences_recompute = True
+
+    def checkpoint_device_module(self) -> Any:
+        """torch_xla registers no `torch.xla`: a module of our own serves its device's RNG state."""
+        return _XlaDeviceModule()
+
+    def optimization_barrier_(self, tensors: list[torch.Tensor]) -> None:
+        if tensors:
+            _import("torch_xla.core.xla_model").optimization_barrier_(tensors)
 
     def world_size(self) -> int:
         return int(_import("torch_xla.runtime").world_size())

@@ -148,12 +148,14 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         accumulation, manual optimization): the work traced since then becomes its own small graph instead of
         joining, and changing, this step's graph. No cut otherwise: a cut with nothing to run still takes about the
         last step's execution time in a training loop (benchmarks/README.md), time in which the host can trace this
-        step while the device runs the last one.
+        step while the device runs the last one. Then the device RNG is seeded for this batch of the run
+        (`lightning_trn.core.random_state.step_seed`: an exact resume whatever the cuts before).
         """
         if batch_idx == 0 or not self._cut_after_step:
             self.runtime.sync()
         self._cut_after_step = False
-        self._seed_batch(self.lightning_module.trainer.fit_loop.epoch_loop.total_batch_idx)  # type: ignore[attr-defined]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        self._seed_batch(trainer.fit_loop.epoch_loop.total_batch_idx)
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
 
     def on_train_start(self) -> None:
