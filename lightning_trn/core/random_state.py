@@ -19,10 +19,10 @@ Everything is stored as CPU tensors and plain Python values, so `torch.load(...,
 
 from __future__ import annotations
 
-import random
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
 #: top-level checkpoint key: {"version": 1, "ranks": [one entry per rank]}
 RANDOM_STATE_KEY = "lightning_trn_random_state"
@@ -32,31 +32,25 @@ _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment: consecutive steps get we
 
 
 def host_states() -> dict[str, Any]:
-    """The host generators' states: torch's CPU generator, numpy's global one (if numpy is installed), Python's."""
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-    except ImportError:
-        return states
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    states["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    """The host generators' states, as Lightning collects them (torch's CPU generator, numpy's global one if numpy is
+    installed, Python's), with numpy's key array as a tensor: `weights_only=True` does not load numpy arrays."""
+    states = _collect_rng_states(include_cuda=False)
+    if "numpy" in states:
+        kind, keys, position, has_gauss, cached_gaussian = states["numpy"]
+        states["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
+                           "position": int(position), "has_gauss": int(has_gauss),
+                           "cached_gaussian": float(cached_gaussian)}
     return states
 
 
 def set_host_states(states: dict[str, Any]) -> None:
-    """Put back what `host_states` returned (a generator missing from `states` is left as it is)."""
-    if "torch" in states:
-        torch.set_rng_state(states["torch"])
-    if "python" in states:
-        version, internal, gauss_next = states["python"]
-        random.setstate((version, tuple(internal), gauss_next))
+    """Put back what `host_states` returned (with Lightning's `_set_rng_states`)."""
+    states = dict(states)
     if "numpy" in states:
-        import numpy as np
-
         saved = states["numpy"]
-        np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["position"],
-                             saved["has_gauss"], saved["cached_gaussian"]))
+        states["numpy"] = (saved["kind"], saved["keys"].numpy().astype("uint32"), saved["position"],
+                           saved["has_gauss"], saved["cached_gaussian"])
+    _set_rng_states(states)
 
 
 def loader_generators(loader: Any) -> list[torch.Generator]:
