@@ -118,6 +118,44 @@ def test_without_the_hooks_torchs_checkpoint_fails_on_xla_and_torch_xla_is_gone_
     assert not hasattr(torch, "xla")
 
 
+def _wrapped_blocks(model: nn.Module) -> int:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return sum(isinstance(module, CheckpointWrapper) for module in model.modules())
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True, "policy"])
+def test_a_fabric_loop_checkpoints_like_the_plain_model_and_leaves_torch_as_it_was(use_reentrant: bool | str):
+    """Fabric has no teardown: the hooks are in place for each forward and backward pass of a Neuron module only.
+    `"policy"`: the strategy's `activation_checkpointing_policy={Block}` checkpoints the plain model's blocks."""
+    from lightning.fabric import Fabric
+
+    from lightning_trn.fabric import SingleDeviceNeuronStrategy
+
+    original_lookup = torch.utils.checkpoint._get_device_module
+
+    def loss_and_grads(mode: bool | str | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        policy = {Block} if mode == "policy" else None
+        strategy = SingleDeviceNeuronStrategy(activation_checkpointing_policy=policy)
+        fabric = Fabric(accelerator="neuron", strategy=strategy)
+        torch.manual_seed(0)
+        model = fabric.setup(Stack(None if mode == "policy" else mode))
+        assert _wrapped_blocks(model) == (BLOCKS if mode == "policy" else 0)
+        x = fabric.to_device(torch.randn(4, 8)).requires_grad_(mode is True)
+        get_runtime().manual_seed(5)
+        loss = model(x).pow(2).mean()
+        fabric.backward(loss)
+        return loss.detach().cpu(), [p.grad.cpu() for p in model.parameters()]
+
+    plain_loss, plain_grads = loss_and_grads(None)
+    loss, grads = loss_and_grads(use_reentrant)
+    assert torch.equal(loss, plain_loss)
+    for grad, plain in zip(grads, plain_grads):
+        assert torch.equal(grad, plain)
+    assert torch.utils.checkpoint._get_device_module is original_lookup
+    assert not hasattr(torch, "xla")
+
+
 class Regression(pl.LightningModule):
     def __init__(self, use_reentrant: bool | None) -> None:
         super().__init__()
@@ -131,21 +169,28 @@ class Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def _fit(use_reentrant: bool | None, tmp_path) -> dict[str, torch.Tensor]:
+def _fit(use_reentrant: bool | str | None, tmp_path) -> dict[str, torch.Tensor]:
+    """`"policy"`: the plain model, its blocks checkpointed by `activation_checkpointing_policy={Block}`."""
+    from lightning_trn import SingleDeviceNeuronStrategy
+
     pl.seed_everything(1)
-    model = Regression(use_reentrant)
-    trainer = pl.Trainer(accelerator="neuron", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+    policy = {Block} if use_reentrant == "policy" else None
+    model = Regression(None if use_reentrant == "policy" else use_reentrant)
+    strategy = SingleDeviceNeuronStrategy(activation_checkpointing_policy=policy)
+    trainer = pl.Trainer(accelerator="neuron", strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(model, regression_loader(n=64))
+    assert _wrapped_blocks(model) == (BLOCKS if policy else 0)
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def test_a_trainer_run_with_checkpointed_blocks_ends_with_the_plain_runs_weights(tmp_path):
     """Same weights after 4 steps with dropout (a wrong recompute mask moves them by far more than the tolerance,
-    which allows for the compiler fusing the two step graphs differently)."""
+    which allows for the compiler fusing the two step graphs differently); the policy keeps the state-dict keys."""
     plain = _fit(None, tmp_path)
-    for use_reentrant in (False, True):
+    for use_reentrant in (False, True, "policy"):
         checkpointed = _fit(use_reentrant, tmp_path)
+        assert checkpointed.keys() == plain.keys()
         for name in plain:
             torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"use_reentrant={use_reentrant} {name}: {m}")

@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end with a few MLP steps, through their documented command lines, on the backend
-of the suite (`overhead` and `device_behaviour` on both; `compile_cache` on XLA only)."""
+of the suite (`overhead` and `device_behaviour` on both; `compile_cache` on XLA only; `memory` natively)."""
 
 import math
 import os
@@ -76,3 +76,14 @@ def test_job_economy_twin_does_the_plugins_work_with_the_experts_costs():
     assert transfers == {"setup": 0, "train": 0, "validation": 10, "epoch end": 10, "checkpoint": 10, "test": 1,
                          "teardown": 0}
     assert sum(p.metrics.compiles for p in plugin.phases.values()) > 0  # measured on the plugin side too
+
+
+@pytest.mark.native_only  # the allocator figures exist natively only; XLA prints n/a
+def test_memory_prints_the_checkpointing_pair_with_the_allocators_activation_peak():
+    """The activation peak comes from the stand-in's allocator (deterministic); checkpointing lowers it."""
+    (row,) = run_benchmark("benchmarks.memory", "--pairs", "checkpointing", "--width", "64", "--depth", "4",
+                           "--batch", "256", "--steps", "2", "--warmup", "1")
+    assert row["pair (tool vs baseline)"].startswith("activation checkpointing")
+    assert float(row["activation ratio"]) < 0.5
+    checkpointed, plain = (float(value) for value in row["steps/s"].split(" / "))
+    assert checkpointed > 0 and plain > 0

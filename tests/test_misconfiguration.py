@@ -13,6 +13,7 @@ from lightning.pytorch import Trainer
 
 import lightning_trn
 from lightning_trn import NeuronPrecision
+from lightning_trn.core.zero1 import Zero1Sharding
 from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags
 from lightning_trn.pytorch.strategies.ddp import NeuronDDPStrategy
 from lightning_trn.runtime import BACKEND_ENV, discovery, selection
@@ -145,6 +146,9 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         "unsupported-strategy": lambda: Trainer(accelerator="neuron", strategy="fsdp", devices=2, logger=False),
         "accelerator-name-taken": accelerator_name_taken,
         "autograd-started-first": autograd_started_first,
+        "zero1-optimizer": lambda: Zero1Sharding(  # refused before the collectives are used
+            torch.optim.LBFGS(torch.nn.Linear(2, 2).parameters()), None, None, 0, torch.Tensor.to,  # type: ignore
+        ),
     }
     return lambda row: message_of(actions[row])
 
@@ -157,4 +161,4 @@ def test_documented_message(row, fragments, trigger):
 
 
 def test_table_has_every_row():
-    assert len(documented_rows()) == 22
+    assert len(documented_rows()) == 23

@@ -9,6 +9,9 @@ Local writes are atomic and durable: temp file in the target's directory, fsync,
 filesystem, e.g. a tmpfs `/tmp`, the final move is a copy into the target, and a kill mid-copy truncates it.)
 Remote paths (`s3://` ...) go through Lightning's fsspec writer.
 
+A sharded ZeRO-1 checkpoint is a directory (`lightning_trn.core.zero1`): loading it reads every rank's file and gives
+the checkpoint with the full optimizer state, as a full checkpoint would.
+
 The train loaders' resume positions (`DevicePrefetchLoader.state_dict`) are stored under their own top-level key
 instead of Lightning's fit-loop state: a CPU/GPU run, whose plain DataLoader is not stateful, would otherwise refuse
 the checkpoint ("0 stateful loaders, but found 1 states"). Loading through this class puts them back.
@@ -27,6 +30,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
+
+from lightning_trn.core.zero1 import SHARDED_MAIN_FILE, consolidate
 
 
 def to_portable(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -155,5 +160,13 @@ class NeuronCheckpointIO(TorchCheckpointIO):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         weights_only = True if weights_only is None else weights_only
-        checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        main = os.path.join(os.fspath(path), SHARDED_MAIN_FILE)
+        if os.path.isdir(path) and os.path.isfile(main):
+            checkpoint = super().load_checkpoint(main, map_location=map_location, weights_only=weights_only)
+            checkpoint = consolidate(
+                checkpoint, os.fspath(path), lambda file: torch.load(file, map_location="cpu", weights_only=True,
+                                                                     mmap=True),
+            )
+        else:
+            checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         return unstash_loader_states(checkpoint)

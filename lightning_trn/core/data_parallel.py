@@ -3,13 +3,15 @@
 One process per NeuronCore, from torchrun, SLURM or the strategy's own launcher; the model is not wrapped in torch's
 DistributedDataParallel: gradients are averaged explicitly, bucketed, once per optimizer step, by the runtime's
 collectives (`xm` on Neuron with torch_xla, gloo on host copies on XLA:CPU, the `neuron` process group on the device
-tensors natively). Host-side objects, barriers and flags go over a gloo group.
+tensors natively). Host-side objects, barriers and flags go over a gloo group. With `zero1=True` (`"neuron_zero1"`)
+the optimizer state is sharded over the ranks (`lightning_trn.core.zero1`).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import os
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -25,6 +27,11 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_trn.core.checkpoint_io import atomic_local_save, to_portable
+from lightning_trn.core.precision import NeuronPrecisionCore
+from lightning_trn.core.zero1 import (
+    SHARDED_MAIN_FILE, STATE_DICT_TYPES, Zero1Sharding, chunk_file, sharding_of, split_chunks,
+)
 from lightning_trn.runtime.collectives import Collectives, check_world_size
 from lightning_trn.runtime.environment import EnvironmentPatch
 from lightning_trn.runtime.host_collectives import HostCollectives
@@ -59,19 +66,33 @@ class DataParallelCore:
             torch_xla, `gloo` on XLA:CPU, `neuron` on the native backend. `xla` is refused on XLA:CPU, whose runtime
             collectives do not span processes.
         timeout: timeout of the process groups: a rank waiting on a dead peer fails after at most this long.
+        zero1: shard the optimizer state over the ranks (ZeRO-1, docs/memory.md): each rank keeps 1/N of it, gradients
+            are reduce-scattered and the parameters all-gathered after each step. `strategy="neuron_zero1"`.
+        state_dict_type: with `zero1`: "full" (default) checkpoints hold the whole optimizer state, gathered, in one
+            file; "sharded" checkpoints are directories where each rank writes its own part (no gather).
     """
 
     strategy_name = "neuron_ddp"
     strategy_description = "Data-parallel over NeuronCores / XLA:CPU processes (lightning_trn)"
+    zero1_strategy_name = "neuron_zero1"
 
     def __init__(
         self,
         *args: Any,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = default_pg_timeout,
+        zero1: bool = False,
+        state_dict_type: str = "full",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        if state_dict_type not in STATE_DICT_TYPES or (state_dict_type == "sharded" and not zero1):
+            raise ValueError(
+                f"state_dict_type={state_dict_type!r}: use 'full', or 'sharded' together with `zero1=True` (without "
+                "ZeRO-1 every rank holds the same state, so there is nothing to shard)."
+            )
+        self.zero1 = zero1
+        self.state_dict_type = state_dict_type
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -81,6 +102,14 @@ class DataParallelCore:
         self._host_collectives: Optional[HostCollectives] = None
         #: gloo group for host-side objects, barriers and flags (None: the default group, already gloo)
         self._host_group: Optional[Any] = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        super().register_strategies(strategy_registry)  # type: ignore[misc]
+        strategy_registry.register(
+            cls.zero1_strategy_name, cls, zero1=True,
+            description="Data-parallel with ZeRO-1 sharded optimizer state (lightning_trn)",
+        )
 
     @property
     def is_distributed(self) -> bool:
@@ -186,11 +215,44 @@ class DataParallelCore:
         if tensors:
             self.collectives.broadcast_(tensors, src=0)
 
+    def _shard_optimizer(self, optimizer: Optimizer) -> None:
+        """With `zero1=True`: shard `optimizer`'s state over the ranks (once; after the weights were broadcast)."""
+        if self.zero1 and sharding_of(optimizer) is None:
+            assert self._host_collectives is not None
+            precision = self._neuron_precision()  # type: ignore[attr-defined]
+            rounding = precision.round_parameter if isinstance(precision, NeuronPrecisionCore) else Tensor.to
+            Zero1Sharding(
+                optimizer, self.collectives, self._host_collectives, self.global_rank,  # type: ignore[attr-defined]
+                rounding=rounding, state_dict_type=self.state_dict_type,
+            )
+
     def reduce_gradients(self, optimizer: Optimizer) -> None:
-        """Average the gradients over all ranks, once per optimizer step (after accumulation), bucketed."""
+        """Average the gradients over all ranks, once per optimizer step (after accumulation), bucketed; ZeRO-1:
+        reduce-scatter them into this rank's chunks."""
+        sharding = sharding_of(optimizer)
+        if sharding is not None:
+            sharding.reduce_gradients()
+            return
         gradients = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if gradients:
             self.collectives.reduce_gradients(gradients)
+
+    def _split_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> tuple[dict[str, Any], Any]:
+        """Sharded ZeRO-1 checkpoints are directories: this rank writes its chunks to `<path>/zero1-rank<r>.pt` now;
+        rank 0 writes the rest to `<path>/checkpoint.pt`."""
+        if self.state_dict_type != "sharded":
+            return checkpoint, path
+        if "://" in str(path):
+            raise ValueError(f"Sharded ZeRO-1 checkpoints are written to local directories, not {path}.")
+        checkpoint, chunks = split_chunks(checkpoint)
+        atomic_local_save(to_portable({"chunks": chunks}), os.path.join(path, chunk_file(self.global_rank)))
+        return checkpoint, os.path.join(path, SHARDED_MAIN_FILE)
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        """ZeRO-1: all-gather the updated chunks into the parameters."""
+        sharding = sharding_of(optimizer)
+        if sharding is not None:
+            sharding.gather_parameters()
 
     def all_reduce(
         self,

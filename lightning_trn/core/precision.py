@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_trn.core.stochastic_rounding import Bf16OptimizerStep
+from lightning_trn.core.stochastic_rounding import Bf16OptimizerStep, stochastic_round_to_bf16
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.environment import (
     NEURON_CC_FLAGS,
@@ -130,6 +130,13 @@ class NeuronPrecisionCore:
             self._set_default(STOCHASTIC_ROUNDING_EN, "1")
             seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
             self._environment.set_default(STOCHASTIC_ROUNDING_SEED, str(seed))
+
+    def round_parameter(self, value: Tensor, dtype: torch.dtype) -> Tensor:
+        """An fp32 master value (a ZeRO-1 chunk) cast to its parameter's `dtype`: bf16 is rounded stochastically where
+        bf16-true rounds in software (on Neuron the runtime rounds the cast), to nearest with `master_weights=True`."""
+        if dtype == torch.bfloat16 and self.stochastic_rounding and not self._on_neuron and not self.master_weights:
+            return stochastic_round_to_bf16(value)
+        return value.to(dtype)
 
     def _disable_compiler_auto_cast(self) -> None:
         """The plugin decides the dtypes: ask the compiler not to cast fp32 ops to bf16 on its own (`--auto-cast=none`;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -28,17 +28,28 @@ _RECENT_DELIVERIES = 4
 
 log = logging.getLogger(__name__)
 
+#: which submodules to checkpoint: a set of module classes, or a policy of torch's (`ModuleWrapPolicy`, a callable)
+CheckpointingPolicy = Union[set[type[Module]], Callable[..., bool], Any]
+
 
 class NeuronStrategyCore:
-    """Mixed into the Trainer's and Fabric's Neuron strategies, before Lightning's strategy class."""
+    """Mixed into the Trainer's and Fabric's Neuron strategies, before Lightning's strategy class.
+
+    Args:
+        activation_checkpointing_policy: checkpoint these submodules (e.g. `{Block}`), as Lightning's FSDPStrategy's
+            argument of that name does (docs/memory.md).
+    """
 
     _checkpoint_io: Optional[CheckpointIO]
     #: the name and description the strategy is registered under (the Trainer's and Fabric's registries alike)
     strategy_name: str
     strategy_description: str
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, activation_checkpointing_policy: Optional[CheckpointingPolicy] = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self._activation_checkpointing_policy = activation_checkpointing_policy
         #: the latest batches this strategy's prefetchers handed out (already on the device)
         self._deliveries: deque = deque(maxlen=_RECENT_DELIVERIES)
         #: the run's base device seed; training batch i draws from `step_seed(_device_seed, i)`
@@ -83,6 +94,17 @@ class NeuronStrategyCore:
         self._check_accelerator()
         super().setup_environment()  # type: ignore[misc]
 
+    def _apply_activation_checkpointing(self, module: Module) -> None:
+        """Wrap the submodules `activation_checkpointing_policy` selects in torch's `checkpoint_wrapper`, with the
+        helpers of Lightning's FSDPStrategy (so the policy means the same; a model already holding checkpoint
+        wrappers is left alone, with a warning). State-dict keys do not change."""
+        if self._activation_checkpointing_policy is None:
+            return
+        from lightning.fabric.strategies.fsdp import _activation_checkpointing_kwargs, _setup_activation_checkpointing
+
+        kwargs = _activation_checkpointing_kwargs(None, self._activation_checkpointing_policy)
+        _setup_activation_checkpointing(module, kwargs)
+
     def _move_keeping_ties(self, module: Module) -> None:
         """Move `module` to the device, keeping tied weights tied (moving between the host and the device creates new
         Parameters, one per module that holds a shared one), its 0-dim tensors as device buffers, not graph
@@ -119,6 +141,18 @@ class NeuronStrategyCore:
     def _seed_batch(self, batch_index: int) -> None:
         """Seed the device RNG for training batch `batch_index` of the run (`lightning_trn.core.random_state`)."""
         self.runtime.manual_seed(step_seed(self._device_seed, batch_index))
+
+    def _neuron_precision(self) -> Any:
+        """The strategy's precision plugin (the Trainer calls it `precision_plugin`, Fabric `precision`)."""
+        raise NotImplementedError
+
+    def _split_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> tuple[dict[str, Any], Any]:
+        """Called on every rank before rank 0 writes `checkpoint` to `path`: what rank 0 writes where (sharded
+        ZeRO-1 checkpoints write each rank's part here)."""
+        return checkpoint, path
+
+    def _after_update(self, optimizer: Any) -> None:
+        """Hook after the optimizer's update, before the step's graph cut (ZeRO-1 gathers the parameters)."""
 
     def _gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (data-parallel strategies gather over the host group)."""

@@ -4,6 +4,7 @@ Fabric's optimizer step; dtypes, autocast, stochastic rounding and the Neuron en
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Optional
 
 import torch
@@ -11,10 +12,12 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning_utilities import apply_to_collection
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trn.core.precision import NeuronPrecisionCore
+from lightning_trn.hooks import registry
 
 
 class NeuronPrecision(NeuronPrecisionCore, Precision):
@@ -24,6 +27,21 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
 
     def __init__(self, precision: str = "32-true", *, stochastic_rounding: bool = True, seed: Optional[int] = None):
         super().__init__(precision, stochastic_rounding=stochastic_rounding, seed=seed)
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        """The precision's forward context, with torch's activation checkpointing made to work on the device (Fabric
+        has no teardown, so the hooks are in place for each forward and backward pass only: docs/memory.md)."""
+        stack = ExitStack()
+        stack.enter_context(registry.installed(registry.CHECKPOINT_HOOKS))
+        stack.enter_context(super().forward_context())
+        return stack
+
+    @override
+    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """`tensor.backward(...)`, with the activation-checkpointing hooks in place for the recompute."""
+        with registry.installed(registry.CHECKPOINT_HOOKS):
+            super().backward(tensor, model, *args, **kwargs)
 
     @override
     def convert_output(self, data: Any) -> Any:

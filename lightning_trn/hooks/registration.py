@@ -37,6 +37,9 @@ from lightning_trn.runtime import neuron_hardware_present
 _HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_fallback", "_check_and_init_precision")
 _NAME = NeuronAccelerator.name()
 _DDP_STRATEGY_NAME = NeuronDDPStrategy.strategy_name
+_NEURON_STRATEGY_NAMES = (
+    _DDP_STRATEGY_NAME, NeuronDDPStrategy.zero1_strategy_name, SingleDeviceNeuronStrategy.strategy_name
+)
 #: Lightning strategy names that mean what `neuron_ddp` does: one process per device, started with the script
 _DDP_ALIASES = ("ddp", "ddp_find_unused_parameters_false")
 
@@ -108,7 +111,7 @@ def _qualname(cls: type) -> str:
 def _neuron_strategy_flag(api: _API, flag: Any) -> Any:
     """The strategy flag for a Neuron run: Lightning's DDP names become `neuron_ddp`; strategies that cannot run on
     NeuronCores are refused before anything starts (they would fail inside `fit` with a CUDA/device-id message)."""
-    if isinstance(flag, api.strategy_base) or flag in (_DDP_STRATEGY_NAME, SingleDeviceNeuronStrategy.strategy_name):
+    if isinstance(flag, api.strategy_base) or flag in _NEURON_STRATEGY_NAMES:
         return flag
     if flag in _DDP_ALIASES:
         return _DDP_STRATEGY_NAME
@@ -119,8 +122,8 @@ def _neuron_strategy_flag(api: _API, flag: Any) -> Any:
         "process per NeuronCore, started by the script itself (`python train.py`), torchrun or SLURM, gradients "
         "all-reduced once per optimizer step. Spawned or forked processes ('ddp_spawn', 'ddp_fork', "
         "'ddp_notebook') cannot share the device runtime, `find_unused_parameters=True` is not available, and "
-        "sharded training (FSDP, DeepSpeed) is not offered by lightning_trn: for models that do not fit one "
-        "NeuronCore use AWS's neuronx-distributed."
+        "of the sharded strategies lightning_trn offers ZeRO-1, the optimizer state sharded over the data-parallel "
+        "ranks: `strategy='neuron_zero1'`; FSDP and DeepSpeed are not available."
     )
 
 

@@ -9,11 +9,16 @@ which Lightning's originals are back, so a CPU or GPU run in the same process ru
 host time or a device sync per step on Neuron and gives Lightning's result (tests/test_logging_fast_path.py,
 tests/test_loop_shortcuts.py), or makes torch's activation checkpointing work on the run's device
 (`activation_checkpointing`, tests/test_activation_checkpointing.py); each is skipped where the Lightning version is
-untested or lacks what it replaces.
+untested or lacks what it replaces. Fabric has no teardown: its Neuron precision installs the checkpointing hooks
+(`CHECKPOINT_HOOKS`) for each forward and backward pass only (`installed`). Holders are counted per hook, so those
+nest inside a Trainer run's.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,6 +38,7 @@ from lightning_trn.hooks import logging as logging_hooks
 #: Lightning versions whose internals the hooks were written and tested against
 TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
 _ABSENT = object()
+_NOT_INSTALLED = object()
 
 
 def lightning_version_tested() -> bool:
@@ -50,6 +56,15 @@ class Hook:
     make: Callable[[Any], Any]
 
 
+#: what makes torch's activation checkpointing work (and really recompute) on the run's device
+CHECKPOINT_HOOKS: tuple[Hook, ...] = (
+    Hook(torch, "xla", activation_checkpointing.xla_device_module),
+    Hook(torch.utils.checkpoint, "_get_device_module", activation_checkpointing.device_module_lookup),
+    Hook(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator",
+         activation_checkpointing.fenced_non_reentrant),
+    Hook(torch.utils.checkpoint, "CheckpointFunction", activation_checkpointing.fenced_reentrant),
+)
+
 HOOKS: tuple[Hook, ...] = (
     Hook(result, "convert_tensors_to_scalars", logging_hooks.conversion_unless_deferred),
     Hook(logger_connector._LoggerConnector, "metrics", logging_hooks.deferring_metrics),
@@ -64,40 +79,51 @@ HOOKS: tuple[Hook, ...] = (
       for module in loop_shortcuts.LENGTH_CHECK_CALLERS),
     *(Hook(loop, "setup_data", loaders.setup_data_showing_user_loaders)
       for loop in (_FitLoop, _EvaluationLoop, _PredictionLoop)),
-    Hook(torch, "xla", activation_checkpointing.xla_device_module),
-    Hook(torch.utils.checkpoint, "_get_device_module", activation_checkpointing.device_module_lookup),
-    Hook(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator",
-         activation_checkpointing.fenced_non_reentrant),
-    Hook(torch.utils.checkpoint, "CheckpointFunction", activation_checkpointing.fenced_reentrant),
+    *CHECKPOINT_HOOKS,
 )
 
-_installed: list[tuple[Hook, Any]] = []
-_runs = 0
+#: how many holders each hook has (installed while above 0), and the original each installed hook replaced
+_holders: Counter = Counter()
+_originals: dict[Hook, Any] = {}
 
 
-def acquire() -> None:
-    """A Neuron run starts: install the hooks (if it is the only one running in this process)."""
-    global _runs
-    _runs += 1
-    if _runs > 1 or not lightning_version_tested():
+def acquire(hooks: Iterable[Hook] = HOOKS) -> None:
+    """A Neuron run starts: install `hooks` (each unless another run already holds it)."""
+    if not lightning_version_tested():
         return
-    for hook in HOOKS:
+    for hook in hooks:
+        _holders[hook] += 1
+        if _holders[hook] > 1:
+            continue
         original = hook.owner.__dict__.get(hook.name, _ABSENT)
         replacement = hook.make(None if original is _ABSENT else original)
         if replacement is not None:
             setattr(hook.owner, hook.name, replacement)
-            _installed.append((hook, original))
+            _originals[hook] = original
 
 
-def release() -> None:
-    """A Neuron run ended: once none is left, put Lightning's originals back."""
-    global _runs
-    _runs -= 1
-    if _runs > 0:
+def release(hooks: Iterable[Hook] = HOOKS) -> None:
+    """A Neuron run ended: put back the originals of `hooks` that no other run holds."""
+    if not lightning_version_tested():
         return
-    while _installed:
-        hook, original = _installed.pop()
+    for hook in reversed(tuple(hooks)):
+        _holders[hook] -= 1
+        if _holders[hook] > 0:
+            continue
+        del _holders[hook]
+        original = _originals.pop(hook, _NOT_INSTALLED)
         if original is _ABSENT:
             delattr(hook.owner, hook.name)
-        else:
+        elif original is not _NOT_INSTALLED:
             setattr(hook.owner, hook.name, original)
+
+
+@contextmanager
+def installed(hooks: Iterable[Hook]) -> Generator[None, None, None]:
+    """`hooks` in place for the duration of the block (nested in a run that holds them: nothing changes)."""
+    hooks = tuple(hooks)
+    acquire(hooks)
+    try:
+        yield
+    finally:
+        release(hooks)

@@ -3,7 +3,7 @@ the Trainer's `connect` and optimizer step (closure, hooks, clipping)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trn.core.precision import NeuronPrecisionCore
+from lightning_trn.core.zero1 import sharding_of
 
 
 class NeuronPrecision(NeuronPrecisionCore, Precision):
@@ -47,3 +48,12 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
             return closure_result  # `training_step` returned None: backward and the update are skipped
         self._bf16_step.step(optimizer, **kwargs)
         return closure_result
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        """A ZeRO-1 optimizer's parameters are this rank's chunks: clip with the norm over all ranks' chunks."""
+        sharding = sharding_of(optimizer)
+        if sharding is None:
+            super().clip_grad_by_norm(optimizer, clip_val)
+        else:
+            sharding.clip_grad_norm_(clip_val)

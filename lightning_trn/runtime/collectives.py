@@ -7,10 +7,15 @@ processes, so they run in a gloo process group on host copies. Every rank must c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 from torch.distributed import ReduceOp
+
+#: Tensors are flattened into buckets of about this many bytes: one collective (and on XLA:CPU one host copy) each.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+_Item = TypeVar("_Item")
 
 #: reduction names `Collectives.all_reduce` accepts ("avg" and torch's ReduceOp members are normalised to these)
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -29,6 +34,23 @@ def reduce_op_name(op: Union[str, Any, None]) -> str:
     if name not in REDUCE_OPS:
         raise ValueError(f"Unsupported reduce op {op!r}: use one of {', '.join(REDUCE_OPS)}.")
     return name
+
+
+def buckets(
+    items: list[_Item], cap: int = BUCKET_BYTES, tensor: Callable[[_Item], torch.Tensor] = lambda item: item
+) -> list[list[_Item]]:
+    """Split `items` into runs whose tensors (`tensor(item)`) share a dtype and hold at most ~`cap` bytes, in order."""
+    runs: list[list[_Item]] = []
+    size = 0
+    for item in items:
+        value = tensor(item)
+        nbytes = value.numel() * value.element_size()
+        if not runs or tensor(runs[-1][0]).dtype != value.dtype or size + nbytes > cap:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += nbytes
+    return runs
 
 
 def check_world_size(process_group_size: int, runtime_size: int, cross_process: bool) -> None:
@@ -55,6 +77,11 @@ class Collectives(ABC):
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """`tensor` reduced over all processes with `op` (one of REDUCE_OPS), as a new tensor."""
+
+    @abstractmethod
+    def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rank r's row of `rows` (shape `[world_size, n]`) averaged over all processes: a new tensor of shape `[n]`.
+        """
 
     @abstractmethod
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

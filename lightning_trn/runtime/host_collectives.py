@@ -8,26 +8,12 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_trn.runtime.collectives import Collectives, reduce_op_name
+from lightning_trn.runtime.collectives import BUCKET_BYTES, Collectives, buckets, reduce_op_name
 
-#: Gradients are flattened into buckets of about this many bytes: one device-to-host copy and one gloo call each.
-BUCKET_BYTES = 25 * 1024 * 1024
+#: torch 2.13 renamed `reduce_scatter_tensor` (deprecated there) to `reduce_scatter_single`
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    """Split `tensors` into runs of one dtype and at most ~`cap` bytes, keeping their order."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not buckets or buckets[-1][0].dtype != tensor.dtype or size + nbytes > cap:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(tensor)
-        size += nbytes
-    return buckets
 
 
 class HostCollectives(Collectives):
@@ -43,7 +29,7 @@ class HostCollectives(Collectives):
         return tensor.cpu()
 
     def _in_place(self, tensors: list[torch.Tensor], collective: Any) -> None:
-        for bucket in _buckets(tensors, self._bucket_bytes):
+        for bucket in buckets(tensors, self._bucket_bytes):
             flat = self._stage(_flatten_dense_tensors([t.detach() for t in bucket]))
             collective(flat)
             flat = flat.to(bucket[0].device)
@@ -65,6 +51,12 @@ class HostCollectives(Collectives):
         if name == "mean":
             host = host / self.world_size if host.is_floating_point() else host.float() / self.world_size
         return host.to(tensor.device)
+
+    def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        host = self._stage(rows.detach()).contiguous()
+        mine = torch.empty(host.shape[1:], dtype=host.dtype, device=host.device)
+        _reduce_scatter_single(mine, host.view(-1), op=dist.ReduceOp.SUM, group=self._group)
+        return mine.div_(self.world_size).to(rows.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         host = self._stage(tensor.detach()).contiguous()

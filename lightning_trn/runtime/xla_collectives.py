@@ -33,6 +33,13 @@ class XlaCollectives(Collectives):
         value = tensor if name != "mean" or tensor.is_floating_point() else tensor.float()
         return xm.all_reduce(kinds[name], value, scale=1.0 / self.world_size if name == "mean" else 1.0)
 
+    def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        xm = _import("torch_xla.core.xla_model")
+        mine = xm.reduce_scatter(
+            xm.REDUCE_SUM, rows, scale=1.0 / self.world_size, scatter_dim=0, shard_count=self.world_size
+        )
+        return mine.squeeze(0)
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         xm = _import("torch_xla.core.xla_model")
         return xm.all_gather(tensor.unsqueeze(0), dim=0)

@@ -8,15 +8,19 @@ or SLURM the launcher's processes are used. Process groups, collectives and grad
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Optional, Union
 
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trn.core.data_parallel import DataParallelCore
+from lightning_trn.core.zero1 import sharding_of
 from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
 
 
@@ -34,6 +38,10 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyMixin, ParallelStr
         process_group_backend: `torch.distributed` backend of the default group; by default `xla` on Neuron with
             torch_xla, `gloo` on XLA:CPU, `neuron` on the native backend.
         timeout: timeout of the process groups: a rank waiting on a dead peer fails after at most this long.
+        zero1: shard the optimizer state over the ranks (ZeRO-1); `strategy="neuron_zero1"` sets it.
+        state_dict_type: with `zero1`: "full" checkpoints (one file, the whole state) or "sharded" (a directory, one
+            file per rank); docs/memory.md.
+        activation_checkpointing_policy: checkpoint these submodules (e.g. `{Block}`), as Lightning's FSDPStrategy does.
         **kwargs: the arguments of Fabric's `ParallelStrategy`.
     """
 
@@ -57,3 +65,44 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyMixin, ParallelStr
         self._broadcast_module_states(module)
         self._route_metric_syncs(module)
         return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """With `zero1=True`, shard the optimizer's state over the ranks (`setup_module` broadcast the weights)."""
+        optimizer = super().setup_optimizer(optimizer)
+        self._shard_optimizer(optimizer)
+        return optimizer
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip the gradients averaged over the ranks (reduced now rather than at the step), as a 1-process run would;
+        ZeRO-1 clips by the norm over all ranks' chunks."""
+        self._reduce_for_step(optimizer)
+        sharding = sharding_of(optimizer)
+        if sharding is None:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        self.precision.unscale_gradients(optimizer)
+        return sharding.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        """Clip the gradients averaged over the ranks (ZeRO-1: this rank's chunks of them)."""
+        self._reduce_for_step(optimizer)
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
+    @override
+    def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """After the load, ZeRO-1 optimizers take their chunks from the restored weights (and saved fp32 masters)."""
+        remainder = super().load_checkpoint(path, state, *args, **kwargs)
+        for obj in state.values() if isinstance(state, dict) else [state]:
+            sharding = sharding_of(obj) if isinstance(obj, Optimizer) else None
+            if sharding is not None:
+                sharding.refresh()
+        return remainder

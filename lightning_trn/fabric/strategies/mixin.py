@@ -45,6 +45,8 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         self._loaders: list[DevicePrefetchLoader] = []
         #: batches handed out by those loaders: batch i's random numbers come from `step_seed(device seed, i)`
         self._batches_taken = 0
+        #: optimizers whose gradients were already reduced for their coming step (to clip them)
+        self._reduced: list[Optimizer] = []
 
     @property
     def precision(self) -> Precision:
@@ -56,6 +58,9 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
     def precision(self, precision: Optional[Precision]) -> None:
         self._precision = precision
 
+    def _neuron_precision(self) -> Precision:
+        return self.precision
+
     def module_to_device(self, module: Module) -> None:
         """Move to the device keeping tied weights tied, and remember which device Parameter replaced which host one
         (on XLA moving creates new Parameters, which optimizers built on the host do not know)."""
@@ -65,10 +70,12 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         self._moved.update({old: after[name] for name, old in before.items() if after[name] is not old})
 
     def setup_module(self, module: Module) -> Module:
-        """Seed the device's random generator from `fabric.seed_everything` (dropout, stochastic rounding)."""
+        """Seed the device's random generator from `fabric.seed_everything` (dropout, stochastic rounding); apply the
+        activation-checkpointing policy."""
         if not self._device_seeded:
             self._seed_device()
             self._device_seeded = True
+        self._apply_activation_checkpointing(module)
         return super().setup_module(module)  # type: ignore[misc]
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -97,10 +104,18 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         """Between backward and the update; single-device strategies have nothing to reduce."""
 
+    def _reduce_for_step(self, optimizer: Optimizer) -> None:
+        """Reduce the gradients for `optimizer`'s coming step, unless done already (clipping reduces first)."""
+        if not any(optimizer is reduced for reduced in self._reduced):
+            self.reduce_gradients(optimizer)
+            self._reduced.append(optimizer)
+
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Reduce gradients, update, then cut the graph once so the whole step compiles as one graph."""
-        self.reduce_gradients(optimizer)
+        self._reduce_for_step(optimizer)
         output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        self._reduced = [reduced for reduced in self._reduced if reduced is not optimizer]
+        self._after_update(optimizer)
         self.runtime.sync()
         self._cut_after_step = True
         return output
@@ -117,8 +132,9 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         every rank."""
         self.runtime.sync()
         random_state = self._random_state_to_save(self._loaders, None, batches=self._batches_taken)
-        state = {**state, RANDOM_STATE_KEY: random_state}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+        state = self._convert_stateful_objects_in_state(state, filter or {})  # type: ignore[attr-defined]
+        state, path = self._split_checkpoint({**state, RANDOM_STATE_KEY: random_state}, path)
+        super().save_checkpoint(path, state, storage_options=storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state, or says

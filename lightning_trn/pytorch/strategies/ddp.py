@@ -22,6 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_trn.core.data_parallel import DataParallelCore
+from lightning_trn.core.strategy import CheckpointingPolicy
 from lightning_trn.pytorch.strategies.host_signals import install_host_sigterm_sync
 from lightning_trn.pytorch.strategies.mixin import NeuronStrategyMixin
 
@@ -34,6 +35,10 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyMixin, ParallelStrategy)
             torch_xla, `gloo` on XLA:CPU, `neuron` on the native backend. `xla` is refused on XLA:CPU, whose runtime
             collectives do not span processes.
         timeout: timeout of the process groups: a rank waiting on a dead peer fails after at most this long.
+        zero1: shard the optimizer state over the ranks (ZeRO-1); `strategy="neuron_zero1"` sets it.
+        state_dict_type: with `zero1`: "full" checkpoints (one file, the whole state) or "sharded" (a directory, one
+            file per rank); docs/memory.md.
+        activation_checkpointing_policy: checkpoint these submodules (e.g. `{Block}`), as Lightning's FSDPStrategy does.
     """
 
     def __init__(
@@ -45,6 +50,9 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyMixin, ParallelStrategy)
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = default_pg_timeout,
+        zero1: bool = False,
+        state_dict_type: str = "full",
+        activation_checkpointing_policy: Optional[CheckpointingPolicy] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -54,6 +62,9 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyMixin, ParallelStrategy)
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            zero1=zero1,
+            state_dict_type=state_dict_type,
+            activation_checkpointing_policy=activation_checkpointing_policy,
         )
 
     @override
@@ -66,6 +77,8 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyMixin, ParallelStrategy)
         super().setup(trainer)
         assert self.model is not None
         self._broadcast_module_states(self.model)
+        for optimizer in self.optimizers:
+            self._shard_optimizer(optimizer)
         self._route_metric_syncs(self.lightning_module)
         install_host_sigterm_sync(trainer, self._host_group)
 

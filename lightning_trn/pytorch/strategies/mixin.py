@@ -101,6 +101,9 @@ class NeuronStrategyMixin(NeuronStrategyCore):
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         self._precision_plugin = plugin
 
+    def _neuron_precision(self) -> Precision:
+        return self.precision_plugin
+
     def model_to_device(self) -> None:
         self._move_keeping_ties(self.model)  # type: ignore[attr-defined]
 
@@ -137,6 +140,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             return result
 
         output = super().optimizer_step(optimizer, closure_and_reduce, model, **kwargs)  # type: ignore[misc]
+        self._after_update(optimizer)
         self.runtime.sync()
         self._cut_after_step = True
         return output
@@ -213,6 +217,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             trainer = module._trainer
             random_state = self._random_state_to_save(_train_prefetchers(trainer), _resumes_mid_epoch(trainer))
             checkpoint = {**checkpoint, RANDOM_STATE_KEY: random_state}
+        checkpoint, filepath = self._split_checkpoint(checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -220,6 +225,7 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             lightning_hooks.acquire()
             self._holds_lightning_hooks = True
         self._seed_device()
+        self._apply_activation_checkpointing(self.model)  # type: ignore[attr-defined]
         super().setup(trainer)  # type: ignore[misc]
         apply_precompile_limits(trainer)  # `python -m lightning_trn.precompile` shortens the run
         self._use_host_sync_free_progress_bar(trainer)
