@@ -2,7 +2,8 @@
 //
 // Device memory is host memory. A handful of kernels are native to the device (creation, views, copies, scalar
 // reads, dropout); every other op runs on the CPU through a boxed fallback that first checks that the op does not
-// mix devices, as a real accelerator would refuse to. Counters record device->host copies, scalar reads and the ops
+// mix devices, as a real accelerator would refuse to (ops whose schema hides what they do go through a twin op that
+// says it: `twin_of`). Counters record device->host copies, scalar reads and the ops
 // the fallback served, by name, and host syncs: the waits for the device that an asynchronous device would have
 // (blocking copies to the host, scalar reads, synchronize calls; a `non_blocking` copy into pinned memory is a
 // transfer but no wait). Ops named in set_host_ops() act as the real device's CPU-fallback ops (their copies count
@@ -508,6 +509,48 @@ void use_device_generators(const c10::OperatorHandle& op, torch::jit::Stack& sta
   }
 }
 
+// Ops whose schema hides what they do, served through a twin whose schema says it (same results on the CPU):
+// - the `*_overrideable` convolutions are extension points without a CPU kernel: `convolution`(_backward) serve
+//   them, as a backend with its own convolution kernels (TorchNeuron) does;
+// - `native_batch_norm` updates running_mean/running_var in training without declaring them mutable, so the
+//   fallback would not copy them back to the device: `_native_batch_norm_legit` declares them (Tensor(a!)).
+// Rewrites `stack` to the twin's arguments and returns the twin, or nullptr to serve `op` itself.
+const c10::OperatorHandle* twin_of(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  const auto& name = op.schema().operator_name().name;
+  const auto begin = static_cast<std::ptrdiff_t>(stack.size() - op.schema().arguments().size());
+  auto& dispatcher = c10::Dispatcher::singleton();
+  if (name == "aten::convolution_overrideable") {  // the same arguments
+    static const auto convolution = dispatcher.findSchemaOrThrow("aten::convolution", "");
+    return &convolution;
+  }
+  if (name == "aten::convolution_backward_overrideable") {
+    // convolution_backward also takes the bias's sizes (after `weight`): [output channels] when its gradient is asked
+    const at::Tensor weight = stack[begin + 2].toTensor();
+    const bool transposed = stack[begin + 6].toBool();
+    const int64_t groups = stack[begin + 8].toInt();
+    c10::IValue bias_sizes;
+    if (stack[begin + 9].toBoolList().get(2)) {
+      bias_sizes = c10::IValue(std::vector<int64_t>{transposed ? weight.size(1) * groups : weight.size(0)});
+    }
+    stack.insert(stack.begin() + begin + 3, std::move(bias_sizes));
+    static const auto backward = dispatcher.findSchemaOrThrow("aten::convolution_backward", "");
+    return &backward;
+  }
+  if (name == "aten::native_batch_norm") {  // (input, weight, bias, running_mean, running_var, training, ...)
+    const bool mean = !stack[begin + 3].isNone(), var = !stack[begin + 4].isNone();
+    if (mean && var) {
+      static const auto legit = dispatcher.findSchemaOrThrow("aten::_native_batch_norm_legit", "");
+      return &legit;
+    }
+    if (!mean && !var) {
+      stack.erase(stack.begin() + begin + 3, stack.begin() + begin + 5);
+      static const auto no_stats = dispatcher.findSchemaOrThrow("aten::_native_batch_norm_legit", "no_stats");
+      return &no_stats;
+    }
+  }
+  return nullptr;
+}
+
 struct InFallback {
   bool previous = t_in_fallback;
   InFallback() { t_in_fallback = true; }
@@ -526,12 +569,14 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (host_op) g_host_op_counts[full]++;
   }
   use_device_generators(op, *stack, device ? device->index() : t_current_device);
+  const c10::OperatorHandle* twin = twin_of(op, *stack);
+  const c10::OperatorHandle& served = twin != nullptr ? *twin : op;
   if (host_op) {  // as the real device's CPU fallback: its argument and result copies are counted transfers
-    at::native::cpu_fallback(op, stack);
+    at::native::cpu_fallback(served, stack);
     return;
   }
   InFallback guard;
-  at::native::cpu_fallback(op, stack);
+  at::native::cpu_fallback(served, stack);
 }
 
 // ---------------------------------------------------------------------------------------------- Python API
@@ -597,6 +642,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", &standin::set_storage);
   m.impl("set_.source_Storage_storage_offset", &standin::set_storage_offset);
   m.impl("native_dropout", &standin::native_dropout);
+  // their default (CompositeExplicitAutograd) kernels raise and would win over the fallback: route them to it
+  m.impl("convolution_overrideable", torch::CppFunction::makeFromBoxedFunction<&standin::cpu_fallback>());
+  m.impl("convolution_backward_overrideable", torch::CppFunction::makeFromBoxedFunction<&standin::cpu_fallback>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
