@@ -15,7 +15,7 @@ from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.hooks.registration import register
 from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags, NeuronHealthCheck
 from lightning_trn.pytorch.precision import NeuronPrecision
-from lightning_trn.pytorch.strategies import NeuronDDPStrategy, SingleDeviceNeuronStrategy
+from lightning_trn.pytorch.strategies import NeuronDDPStrategy, NeuronModelParallelStrategy, SingleDeviceNeuronStrategy
 from lightning_trn.runtime import NeuronUnavailableError
 from lightning_trn.torch_compile import compile
 
@@ -31,6 +31,7 @@ __all__ = [
     "NeuronCompilerFlags",
     "NeuronDDPStrategy",
     "NeuronHealthCheck",
+    "NeuronModelParallelStrategy",
     "NeuronPrecision",
     "NeuronUnavailableError",
     "SingleDeviceNeuronStrategy",

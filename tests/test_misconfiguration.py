@@ -10,6 +10,7 @@ from typing import Callable
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_trn
 from lightning_trn import NeuronPrecision
@@ -21,6 +22,8 @@ from lightning_trn.runtime.collectives import check_world_size
 from models import RegressionModel
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+#: rows whose mistake needs the native backend: checked by tests/standin/test_model_parallel.py
+NATIVE_ROWS = ("model-parallel-sizes", "model-parallel-optimizer")
 
 
 def documented_rows() -> dict[str, list[str]]:
@@ -146,6 +149,7 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         "unsupported-strategy": lambda: Trainer(accelerator="neuron", strategy="fsdp", devices=2, logger=False),
         "accelerator-name-taken": accelerator_name_taken,
         "autograd-started-first": autograd_started_first,
+        "sharded-xla": lambda: Trainer(accelerator="neuron", strategy=ModelParallelStrategy(), logger=False),
         "zero1-optimizer": lambda: Zero1Sharding(  # refused before the collectives are used
             torch.optim.LBFGS(torch.nn.Linear(2, 2).parameters()), None, None, 0, torch.Tensor.to,  # type: ignore
         ),
@@ -155,10 +159,12 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
 
 @pytest.mark.parametrize(("row", "fragments"), sorted(documented_rows().items()))
 def test_documented_message(row, fragments, trigger):
+    if row in NATIVE_ROWS:
+        pytest.skip("a native-backend mistake: tests/standin/test_model_parallel.py checks it")
     message = trigger(row)
     for fragment in fragments:
         assert fragment in message, f"{row}: {fragment!r} not in {message!r}"
 
 
 def test_table_has_every_row():
-    assert len(documented_rows()) == 23
+    assert len(documented_rows()) == 26

@@ -4,6 +4,11 @@ Trainer does (docs/fabric.md)."""
 
 from lightning_trn.fabric.checkpoint import trainer_checkpoint
 from lightning_trn.fabric.precision import NeuronPrecision
-from lightning_trn.fabric.strategies import NeuronDDPStrategy, SingleDeviceNeuronStrategy
+from lightning_trn.fabric.strategies import (
+    NeuronDDPStrategy, NeuronModelParallelStrategy, SingleDeviceNeuronStrategy,
+)
 
-__all__ = ["NeuronDDPStrategy", "NeuronPrecision", "SingleDeviceNeuronStrategy", "trainer_checkpoint"]
+__all__ = [
+    "NeuronDDPStrategy", "NeuronModelParallelStrategy", "NeuronPrecision", "SingleDeviceNeuronStrategy",
+    "trainer_checkpoint",
+]

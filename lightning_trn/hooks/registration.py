@@ -20,25 +20,30 @@ from lightning.fabric.accelerators import ACCELERATOR_REGISTRY as FABRIC_ACCELER
 from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies import Strategy as FabricStrategy
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import Strategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from lightning_trn import fabric
 from lightning_trn.accelerator import NeuronAccelerator
+from lightning_trn.core.model_parallel import lightning_model_parallel_arguments
 from lightning_trn.hooks.registry import TESTED_LIGHTNING, lightning_version_tested
 from lightning_trn.hooks.throughput import install_throughput_hooks
 from lightning_trn.pytorch.precision import NeuronPrecision
-from lightning_trn.pytorch.strategies import NeuronDDPStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy
+from lightning_trn.pytorch.strategies import (
+    NeuronDDPStrategy, NeuronModelParallelStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy,
+)
 from lightning_trn.runtime import neuron_hardware_present
 
 _HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_fallback", "_check_and_init_precision")
 _NAME = NeuronAccelerator.name()
 _DDP_STRATEGY_NAME = NeuronDDPStrategy.strategy_name
 _NEURON_STRATEGY_NAMES = (
-    _DDP_STRATEGY_NAME, NeuronDDPStrategy.zero1_strategy_name, SingleDeviceNeuronStrategy.strategy_name
+    _DDP_STRATEGY_NAME, NeuronDDPStrategy.zero1_strategy_name, SingleDeviceNeuronStrategy.strategy_name,
+    NeuronModelParallelStrategy.strategy_name,
 )
 #: Lightning strategy names that mean what `neuron_ddp` does: one process per device, started with the script
 _DDP_ALIASES = ("ddp", "ddp_find_unused_parameters_false")
@@ -57,6 +62,9 @@ class _API:
     strategy_base: type
     single: type
     ddp: type
+    model_parallel: type
+    #: Lightning's `ModelParallelStrategy` of this API, which a Neuron run replaces by `model_parallel`
+    lightning_model_parallel: type
     #: the connector's Neuron precision plugin, or None when the user passed a precision plugin object
     precision: Callable[[Any], Any]
 
@@ -76,12 +84,13 @@ def _fabric_precision(connector: _Connector) -> Any:
 
 TRAINER = _API(
     "Trainer", "lightning_trn", _AcceleratorConnector, AcceleratorRegistry, StrategyRegistry, NeuronStrategyMixin,
-    SingleDeviceNeuronStrategy, NeuronDDPStrategy, _trainer_precision,
+    SingleDeviceNeuronStrategy, NeuronDDPStrategy, NeuronModelParallelStrategy, ModelParallelStrategy,
+    _trainer_precision,
 )
 FABRIC = _API(
     "Fabric", "lightning_trn.fabric", _Connector, FABRIC_ACCELERATORS, FABRIC_STRATEGIES,
     fabric.strategies.NeuronFabricStrategyMixin, fabric.SingleDeviceNeuronStrategy, fabric.NeuronDDPStrategy,
-    _fabric_precision,
+    fabric.NeuronModelParallelStrategy, FabricModelParallelStrategy, _fabric_precision,
 )
 
 
@@ -115,6 +124,8 @@ def _neuron_strategy_flag(api: _API, flag: Any) -> Any:
         return flag
     if flag in _DDP_ALIASES:
         return _DDP_STRATEGY_NAME
+    if isinstance(flag, api.lightning_model_parallel):  # a script written for GPUs: the same arguments on NeuronCores
+        return api.model_parallel(**lightning_model_parallel_arguments(flag))
     name = type(flag).__name__ if isinstance(flag, (Strategy, FabricStrategy)) else repr(flag)
     raise ValueError(
         f"`{api.name}(accelerator='neuron', strategy={name})` is not supported. On NeuronCores lightning_trn trains "
@@ -123,7 +134,9 @@ def _neuron_strategy_flag(api: _API, flag: Any) -> Any:
         "all-reduced once per optimizer step. Spawned or forked processes ('ddp_spawn', 'ddp_fork', "
         "'ddp_notebook') cannot share the device runtime, `find_unused_parameters=True` is not available, and "
         "of the sharded strategies lightning_trn offers ZeRO-1, the optimizer state sharded over the data-parallel "
-        "ranks: `strategy='neuron_zero1'`; FSDP and DeepSpeed are not available."
+        "ranks (`strategy='neuron_zero1'`), and on the native backend Lightning's `ModelParallelStrategy` (FSDP2 "
+        "and tensor parallelism, `fully_shard` / `parallelize_module` in `configure_model`); DeepSpeed is not "
+        "available."
     )
 
 
@@ -204,7 +217,7 @@ def register() -> None:
     `ThroughputMonitor`'s peak-FLOPs lookup (idempotent)."""
     for api in (TRAINER, FABRIC):
         _register_accelerator(api.accelerators)
-        for strategy in (api.single, api.ddp):
+        for strategy in (api.single, api.ddp, api.model_parallel):
             if strategy.strategy_name not in api.strategies:
                 strategy.register_strategies(api.strategies)
         _install_connector_hooks(api)

@@ -11,6 +11,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_trn.core.gradients import clip_grad_norm_
 from lightning_trn.core.precision import NeuronPrecisionCore
 from lightning_trn.core.zero1 import sharding_of
 
@@ -51,9 +52,10 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        """A ZeRO-1 optimizer's parameters are this rank's chunks: clip with the norm over all ranks' chunks."""
+        """Clip by the norm of all gradients together: ZeRO-1 over all ranks' chunks, DTensor gradients (FSDP2, tensor
+        parallel) whatever their meshes (`lightning_trn.core.gradients`)."""
         sharding = sharding_of(optimizer)
         if sharding is None:
-            super().clip_grad_by_norm(optimizer, clip_val)
+            clip_grad_norm_(self.main_params(optimizer), clip_val)
         else:
             sharding.clip_grad_norm_(clip_val)

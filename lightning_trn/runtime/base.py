@@ -91,6 +91,8 @@ class DeviceRuntime(ABC):
     cpu_platform: str = ""
     #: whether the backend has a persistent compile cache that `enable_compile_cache` points somewhere
     has_compile_cache: bool = False
+    #: whether models can be sharded with torch's DTensor, FSDP2 and tensor parallelism on this backend's devices
+    shards_models: bool = False
 
     @abstractmethod
     def is_installed(self) -> bool:

@@ -31,6 +31,7 @@ class NativeRuntime(DeviceRuntime):
     """All calls into the native `neuron` device go through here."""
 
     name = "native"
+    shards_models = True
     device_type = "neuron"
     cpu_platform = "the CPU stand-in"
 

@@ -15,7 +15,7 @@ a loop that re-enters that epoch continues exactly where the saved run was.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.utilities.types import _PATH
@@ -24,6 +24,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_trn.core.device_loader import DevicePrefetchLoader
+from lightning_trn.core.gradients import clip_grad_norm_
 from lightning_trn.core.random_state import RANDOM_STATE_KEY
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.fabric.precision import NeuronPrecision
@@ -33,6 +34,9 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
     """Mixed into Fabric's strategy classes; data-parallel strategies override `reduce_gradients`."""
 
     _precision: Optional[Precision]
+    #: Lightning's `save_checkpoint` gets the modules and optimizers themselves (sharded strategies collect their
+    #: shards), not their state dicts
+    saves_stateful_objects: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -110,6 +114,19 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
             self.reduce_gradients(optimizer)
             self._reduced.append(optimizer)
 
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of all gradients together, DTensor gradients (FSDP2, tensor parallel) whatever their
+        meshes (`lightning_trn.core.gradients`)."""
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Reduce gradients, update, then cut the graph once so the whole step compiles as one graph."""
         self._reduce_for_step(optimizer)
@@ -132,9 +149,11 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         every rank."""
         self.runtime.sync()
         random_state = self._random_state_to_save(self._loaders, None, batches=self._batches_taken)
-        state = self._convert_stateful_objects_in_state(state, filter or {})  # type: ignore[attr-defined]
-        state, path = self._split_checkpoint({**state, RANDOM_STATE_KEY: random_state}, path)
-        super().save_checkpoint(path, state, storage_options=storage_options)  # type: ignore[misc]
+        state = {**state, RANDOM_STATE_KEY: random_state}
+        if not self.saves_stateful_objects:
+            state, filter = self._convert_stateful_objects_in_state(state, filter or {}), None  # type: ignore
+        state, path = self._split_checkpoint(state, path)
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
 
     def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state, or says

@@ -1,7 +1,8 @@
 """Neuron training strategies."""
 
 from lightning_trn.pytorch.strategies.ddp import NeuronDDPStrategy
+from lightning_trn.pytorch.strategies.model_parallel import NeuronModelParallelStrategy
 from lightning_trn.pytorch.strategies.mixin import NeuronStrategyMixin
 from lightning_trn.pytorch.strategies.single_device import SingleDeviceNeuronStrategy
 
-__all__ = ["NeuronDDPStrategy", "NeuronStrategyMixin", "SingleDeviceNeuronStrategy"]
+__all__ = ["NeuronDDPStrategy", "NeuronModelParallelStrategy", "NeuronStrategyMixin", "SingleDeviceNeuronStrategy"]

@@ -621,6 +621,15 @@ void reset_counters() {
   g_host_op_counts.clear();
 }
 
+// TorchNeuron's rule (its aten registration for PrivateUse1): `.data` of a CPU tensor may be set to a neuron tensor
+// and back, as between CPU and CUDA; torch's own check lists only in-tree backends. FSDP2's `fully_shard` moves a
+// module built on the host to the device that way.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  const auto a = self.device().type();
+  const auto b = from.device().type();
+  return a == b || (a == at::kCPU && b == at::kPrivateUse1) || (a == at::kPrivateUse1 && b == at::kCPU);
+}
+
 void register_hooks() {
   static Hooks* hooks = new Hooks();  // lives for the process, as PyTorch expects
   at::RegisterPrivateUse1HooksInterface(hooks);
@@ -642,6 +651,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", &standin::set_storage);
   m.impl("set_.source_Storage_storage_offset", &standin::set_storage_offset);
   m.impl("native_dropout", &standin::native_dropout);
+  m.impl("_has_compatible_shallow_copy_type", &standin::has_compatible_shallow_copy_type);
   // their default (CompositeExplicitAutograd) kernels raise and would win over the fallback: route them to it
   m.impl("convolution_overrideable", torch::CppFunction::makeFromBoxedFunction<&standin::cpu_fallback>());
   m.impl("convolution_backward_overrideable", torch::CppFunction::makeFromBoxedFunction<&standin::cpu_fallback>());

@@ -1,0 +1,144 @@
+"""`ModelParallelCore`: models sharded over NeuronCores, shared by the Trainer's and Fabric's
+`NeuronModelParallelStrategy`.
+
+The strategies extend Lightning's own `ModelParallelStrategy` (FSDP2 `fully_shard` and DTensor tensor parallelism on
+a 2-D device mesh, torch.distributed.checkpoint directories): the mesh is built on the `neuron` devices, one per
+process, the default group is the runtime's `neuron` backend and host objects go over a gloo group
+(`lightning_trn.core.process_group`). Only the native backend shards models (`DeviceRuntime.shards_models`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+
+from lightning_trn.core.process_group import ProcessGroupCore
+from lightning_trn.runtime import DeviceRuntime, get_runtime
+
+#: the arguments of Lightning's `ModelParallelStrategy` (Trainer and Fabric) and the attributes that hold them
+_LIGHTNING_ARGUMENTS = {
+    "data_parallel_size": "_data_parallel_size",
+    "tensor_parallel_size": "_tensor_parallel_size",
+    "save_distributed_checkpoint": "_save_distributed_checkpoint",
+    "process_group_backend": "_process_group_backend",
+    "timeout": "_timeout",
+}
+
+
+def check_shards_models(runtime: DeviceRuntime, what: str) -> None:
+    """Raise the one-paragraph refusal for sharded strategies on a backend that cannot shard models (XLA)."""
+    if runtime.shards_models:
+        return
+    raise ValueError(
+        f"{what} is not available on lightning_trn's {runtime.name} backend (torch-neuronx with torch_xla, the "
+        "training stack of Trn1): FSDP2 and tensor parallelism (Lightning's ModelParallelStrategy and FSDPStrategy) "
+        "need DTensor on an eager device, which the native backend has (TorchNeuron on Trn2/Trn3, "
+        "`LIGHTNING_TRN_BACKEND=native`). On the XLA backend, shard the optimizer state over the data-parallel "
+        "ranks with ZeRO-1, `strategy='neuron_zero1'` (with Adam and bf16 weights, 16 bytes per parameter become "
+        "4 + 12/N on N ranks), and recompute activations with `activation_checkpointing_policy={Block}`: "
+        "docs/memory.md has the arithmetic of what fits."
+    )
+
+
+def lightning_model_parallel_arguments(strategy: Any) -> dict[str, Any]:
+    """The constructor arguments a Lightning `ModelParallelStrategy` object was made with (to build ours); Fabric's
+    also has its `parallelize_fn`."""
+    arguments = {name: getattr(strategy, attribute) for name, attribute in _LIGHTNING_ARGUMENTS.items()}
+    if hasattr(strategy, "_parallelize_fn"):
+        arguments["parallelize_fn"] = strategy._parallelize_fn
+    return arguments
+
+
+def _shard_of(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's part of `full` (every rank holds the same) as `like` holds it: a DTensor's local shard, on the
+    device (no communication), or all of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def materialize(module: Module, device: torch.device) -> None:
+    """Give a module built on the meta device (`init_module(empty_init=True)`) and then sharded its values on the
+    device: each submodule's `reset_parameters()` runs on full-size CPU tensors, from the CPU generator that every rank
+    seeded the same, and each rank keeps its shard. The weights are those of the unsharded module initialised on the
+    CPU, whatever the mesh, and no random op runs on DTensors (TorchNeuron's generator does not serve DTensor's
+    offset-based random streams). Host memory: one submodule's own tensors at full size."""
+    if not _has_meta_device_parameters_or_buffers(module):
+        return
+    module.to_empty(device=device)  # FSDP2 re-points its sharded parameters (as Lightning's materialization does)
+    uninitialized = set()
+    for submodule in module.modules():
+        own = {**submodule._parameters, **submodule._buffers}
+        own = {name: tensor for name, tensor in own.items() if tensor is not None}
+        if not own:
+            continue
+        reset = getattr(submodule, "reset_parameters", None)
+        if not callable(reset):
+            uninitialized.add(type(submodule).__name__)
+            continue
+        for name, tensor in own.items():  # full-size host tensors in their place while `reset_parameters` runs
+            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            table = submodule._parameters if name in submodule._parameters else submodule._buffers
+            table[name] = torch.nn.Parameter(host, tensor.requires_grad) if name in submodule._parameters else host
+        try:
+            reset()
+            initialized = {**submodule._parameters, **submodule._buffers}
+        finally:
+            for name, tensor in own.items():
+                table = submodule._parameters if name in submodule._parameters else submodule._buffers
+                table[name] = tensor
+        with torch.no_grad():
+            for name, tensor in own.items():
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                local.copy_(_shard_of(initialized[name].detach().to(device), tensor))
+    if uninitialized:
+        rank_zero_warn(
+            "Parameter initialization incomplete. These modules have parameters or buffers with uninitialized memory "
+            f"because they don't define a `reset_parameters()` method: {', '.join(sorted(uninitialized))}"
+        )
+
+
+class ModelParallelCore(ProcessGroupCore):
+    """Mixed into a Neuron strategy before Lightning's `ModelParallelStrategy` (the Trainer's or Fabric's): the
+    process groups are lightning_trn's, the device mesh and everything sharded are Lightning's, on `neuron` devices.
+
+    Raises:
+        ValueError: on a backend that cannot shard models (XLA), at construction.
+    """
+
+    strategy_name = "neuron_model_parallel"
+    strategy_description = "FSDP2 and tensor parallel over NeuronCores, native backend (lightning_trn)"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_shards_models(get_runtime(), type(self).__name__)
+        super().__init__(*args, **kwargs)
+
+    def _configure_launcher(self) -> None:
+        """Called once the devices and nodes are known (at `Trainer(...)` / `Fabric(...)`): check the mesh fits."""
+        self._check_mesh_sizes()
+        super()._configure_launcher()  # type: ignore[misc]
+
+    def _check_mesh_sizes(self) -> None:
+        data = self._data_parallel_size  # type: ignore[attr-defined]
+        tensor = self._tensor_parallel_size  # type: ignore[attr-defined]
+        sizes = (self.num_nodes if data == "auto" else data) * (self.num_processes if tensor == "auto" else tensor)
+        processes = self.num_nodes * self.num_processes
+        if sizes != processes:
+            raise ValueError(
+                f"{type(self).__name__}(data_parallel_size={data!r}, tensor_parallel_size={tensor!r}) needs {sizes} "
+                f"processes, the run has {processes} (devices={self.num_processes} x num_nodes={self.num_nodes}). "
+                "Choose sizes whose product is devices x num_nodes; tensor parallelism is fastest within a node, "
+                "e.g. tensor_parallel_size=devices and data_parallel_size=num_nodes (the defaults, 'auto')."
+            )
+
+    def setup_environment(self) -> None:
+        """Claim this process's NeuronCore, then Lightning's setup: the process group (ours) and the device mesh."""
+        self._claim_device()
+        super().setup_environment()  # type: ignore[misc]

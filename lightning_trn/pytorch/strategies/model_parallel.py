@@ -1,0 +1,76 @@
+"""`NeuronModelParallelStrategy`: Lightning's `ModelParallelStrategy` (FSDP2 + tensor parallel) on NeuronCores.
+
+A LightningModule written for it on GPUs (`configure_model` with `fully_shard` / `parallelize_module` on
+`self.device_mesh`, `trainer.init_module(empty_init=True)`, `loss_parallel`) runs with `accelerator="neuron"`:
+`Trainer(accelerator="neuron", strategy=ModelParallelStrategy(...))` builds this strategy with the same arguments.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
+
+from lightning_trn.core.model_parallel import ModelParallelCore, materialize
+from lightning_trn.pytorch.strategies.host_signals import install_host_sigterm_sync
+from lightning_trn.pytorch.strategies.mixin import NeuronStrategyMixin
+
+
+class NeuronModelParallelStrategy(ModelParallelCore, NeuronStrategyMixin, ModelParallelStrategy):
+    """FSDP2 and tensor parallelism over NeuronCores (native backend), one process per NeuronCore.
+
+    Args:
+        data_parallel_size: devices in a data-parallel (FSDP) group; "auto": the number of nodes.
+        tensor_parallel_size: devices in a tensor-parallel group; "auto": the devices of one node.
+        save_distributed_checkpoint: True: checkpoints are torch.distributed.checkpoint directories, each rank
+            writing its shards (they resume on another world size and mesh; `python -m lightning_trn.consolidate`
+            makes one file of them); False: one file of CPU tensors assembled on rank 0.
+        process_group_backend: `torch.distributed` backend of the default group (`neuron`).
+        timeout: timeout of the process groups.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        tensor_parallel_size: Union[Literal["auto"], int] = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """A model built on the meta device gets the unsharded module's initial weights (`materialize`), then
+        Lightning's setup."""
+        assert self.model is not None
+        materialize(self.model, self.root_device)
+        super().setup(trainer)
+        self._route_metric_syncs(self.lightning_module)
+        install_host_sigterm_sync(trainer, self._host_group)
+
+    @override
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Union[Tensor, Any]:
+        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min; non-tensors are returned unchanged."""
+        return self.all_reduce(tensor, group, reduce_op)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._explain_failure(exception)

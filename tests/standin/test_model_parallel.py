@@ -1,0 +1,151 @@
+"""Sharded training on the native backend: Lightning's `ModelParallelStrategy` (FSDP2 + tensor parallel) with
+`accelerator="neuron"`, Trainer and Fabric, on the stand-in.
+
+`tests/scripts/model_parallel_train.py` is a script written as for GPUs (`configure_model` with `fully_shard` and
+`parallelize_module`, `loss_parallel`, AdamW, clipping, accumulation, a per-step schedule). Each sharded run must end
+where a reference ends: the same mesh under Lightning's own strategy on `accelerator="cpu"` (gloo), or one process;
+8 sequences per optimizer step on every mesh, so all of them compute the same steps up to float summation order.
+Checkpoints are torch.distributed.checkpoint directories that resume on another mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lightning_trn import NeuronModelParallelStrategy
+from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronModelParallelStrategy
+from tests.launch import child_env
+from tests.test_misconfiguration import documented_rows
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "model_parallel_train.py"
+#: 8 AdamW steps of float32 on different meshes (sharded reductions, tensor-parallel matmuls): summation order only
+WEIGHT_TOLERANCE = 2e-5
+RUN_TIMEOUT_S = 240
+
+
+def _run(out: Path, *args: str) -> dict:
+    """Run the script (it launches its own processes); rank 0's record and final full weights."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+    result = subprocess.run(command, env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"), cwd=out,
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {**json.loads((out / "run.json").read_text()), "weights": torch.load(out / "weights.pt")}
+
+
+def _assert_same_weights(run: dict, reference: dict) -> None:
+    assert run["weights"].keys() == reference["weights"].keys()
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(run["weights"][name], value, atol=WEIGHT_TOLERANCE, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Lightning's ModelParallelStrategy on the CPU, one process: nothing sharded."""
+    return _run(tmp_path_factory.mktemp("one"), "--accelerator", "cpu")
+
+
+@pytest.fixture(scope="module")
+def fsdp_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Lightning's own FSDP2 run on the CPU (gloo), 2 processes."""
+    return _run(tmp_path_factory.mktemp("fsdp_cpu"), "--accelerator", "cpu", "--dp", "2")
+
+
+@pytest.fixture(scope="module")
+def fsdp_neuron(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """The same job on 2 `neuron` devices, with a distributed checkpoint after optimizer step 3."""
+    out = tmp_path_factory.mktemp("fsdp_neuron")
+    return _run(out, "--dp", "2", "--save"), out / "step=3.ckpt"
+
+
+def test_fsdp2_equals_lightning_on_cpu(fsdp_neuron: tuple[dict, Path], fsdp_cpu: dict, one_process: dict) -> None:
+    run, _ = fsdp_neuron
+    assert (run["strategy"], fsdp_cpu["strategy"]) == ("NeuronModelParallelStrategy", "ModelParallelStrategy")
+    torch.testing.assert_close(run["losses"], fsdp_cpu["losses"], atol=1e-5, rtol=0)
+    _assert_same_weights(run, fsdp_cpu)
+    _assert_same_weights(run, one_process)
+
+
+def test_2d_fsdp_and_tensor_parallel_from_meta_init_equals_one_process(tmp_path: Path, one_process: dict) -> None:
+    """dp 2 x tp 2 on 4 processes, the model built under `trainer.init_module(empty_init=True)`: materialized with
+    the unsharded module's initial weights, it ends where one process that built it on the CPU does. (Lightning's own
+    CPU run cannot clip a tensor-parallel model, mixed DTensor and tensor gradients; lightning_trn's can.)"""
+    _assert_same_weights(_run(tmp_path, "--dp", "2", "--tp", "2", "--meta"), one_process)
+
+
+def test_checkpoint_is_written_by_every_rank(fsdp_neuron: tuple[dict, Path]) -> None:
+    _, checkpoint = fsdp_neuron
+    assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+
+
+def test_resume_on_another_mesh_equals_uninterrupted_run(tmp_path: Path, fsdp_neuron: tuple[dict, Path]) -> None:
+    """Saved by FSDP on 2 ranks after step 3, resumed with tensor parallel on 2 ranks: the weights and the optimizer
+    state are resharded, the run ends where the uninterrupted one does."""
+    uninterrupted, checkpoint = fsdp_neuron
+    resumed = _run(tmp_path, "--tp", "2", "--resume", str(checkpoint))
+    assert len(resumed["losses"]) == (8 - 3) * 2  # the micro-batches after step 3
+    _assert_same_weights(resumed, uninterrupted)
+
+
+def test_fabric_tensor_parallel_equals_trainer(tmp_path: Path, one_process: dict) -> None:
+    """Fabric's ModelParallelStrategy(parallelize_fn) with tensor parallel, the loop clipping with
+    `fabric.clip_gradients`, ends where the Trainer's one-process run does; `fabric.save` writes a sharded
+    directory."""
+    run = _run(tmp_path, "--api", "fabric", "--tp", "2")
+    assert run["strategy"] == "NeuronModelParallelStrategy"
+    torch.testing.assert_close(run["losses"], one_process["losses"], atol=1e-5, rtol=0)
+    _assert_same_weights(run, one_process)
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (tmp_path / "fabric.ckpt").iterdir()}
+
+
+def test_bf16_mixed_computes_in_bf16_with_fp32_weights(tmp_path: Path) -> None:
+    """Lightning's own bf16-mixed on a non-CUDA device would be CUDA autocast, silently fp32 here."""
+    run = _run(tmp_path, "--dp", "2", "--steps", "1", "--precision", "bf16-mixed")
+    assert run["dtypes"] == ["torch.bfloat16"]
+    assert {value.dtype for value in run["weights"].values()} == {torch.float32}
+
+
+def test_script_for_gpus_gets_the_neuron_strategy() -> None:
+    """`strategy=ModelParallelStrategy(...)` with `accelerator="neuron"` becomes ours, with the same arguments."""
+    trainer = Trainer(accelerator="neuron", devices=2, logger=False,
+                      strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2,
+                                                     save_distributed_checkpoint=False))
+    strategy = trainer.strategy
+    assert isinstance(strategy, NeuronModelParallelStrategy)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (1, 2)
+    assert strategy._save_distributed_checkpoint is False
+    assert strategy.root_device.type == "neuron"
+
+
+def test_fabric_optimizer_made_before_sharding_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It would update Parameters the sharded model no longer holds: refused with the order that works (the
+    message of docs/troubleshooting.md's row)."""
+    strategy = FabricNeuronModelParallelStrategy(lambda module, mesh: module)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(strategy, "setup_module", lambda module: torch.nn.Linear(2, 2))  # parameters replaced
+    with pytest.raises(RuntimeError) as raised:
+        strategy.setup_module_and_optimizers(model, [optimizer])
+    _assert_documented("model-parallel-optimizer", str(raised.value))
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(1, 3), (2, "auto"), (3, 1)])
+def test_mesh_sizes_that_do_not_fit_the_processes_are_refused_at_construction(dp: object, tp: object) -> None:
+    with pytest.raises(ValueError, match=r"needs \d+ processes, the run has 2") as raised:
+        Trainer(accelerator="neuron", devices=2, logger=False,
+                strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp))
+    if (dp, tp) == (1, 3):  # the row of docs/troubleshooting.md
+        _assert_documented("model-parallel-sizes", str(raised.value))
+
+
+def _assert_documented(row: str, message: str) -> None:
+    for fragment in documented_rows()[row]:
+        assert fragment in message, f"{row}: {fragment!r} not in {message!r}"
