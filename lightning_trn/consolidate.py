@@ -1,9 +1,12 @@
 """`python -m lightning_trn.consolidate <sharded checkpoint directory> <output file>`: one portable checkpoint file
-from a sharded one (ZeRO-1 with `state_dict_type="sharded"`, docs/memory.md).
+from a sharded one: a torch.distributed.checkpoint directory of a sharded strategy (`ModelParallelStrategy`,
+docs/sharding.md) or a ZeRO-1 directory (`state_dict_type="sharded"`, docs/memory.md).
 
-CPU only, no process group, no device: it reads the directory's main file and every rank's chunk file
-(memory-mapped) and writes the checkpoint with the full optimizer state, CPU tensors only, atomically: what
-`Trainer(accelerator="cpu" or "gpu").fit(..., ckpt_path=<output file>)` and `torch.load(..., weights_only=True)` load.
+CPU only, no process group, no device. The output is Lightning's one-file checkpoint with the full optimizer state,
+CPU tensors only, written atomically: what `Trainer(accelerator="cpu" or "gpu").fit(..., ckpt_path=<output file>)`
+and `torch.load(..., weights_only=True)` load. A distributed checkpoint is read one tensor at a time (host memory: the
+largest tensor's chunks; the tensors pass through memory-mapped scratch files beside the output). `--safetensors`
+writes the model's weights as a Hugging Face safetensors file instead, names without `--strip-prefix`.
 """
 
 from __future__ import annotations
@@ -12,16 +15,34 @@ import argparse
 from typing import Optional
 
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.distributed_checkpoint import (
+    is_distributed_checkpoint, write_consolidated, write_safetensors,
+)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_trn.consolidate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a sharded checkpoint directory (it holds checkpoint.pt and zero1-rank*.pt)")
-    parser.add_argument("output", help="the checkpoint file to write")
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory (.metadata and *.distcp files, or "
+                                           "checkpoint.pt and zero1-rank*.pt)")
+    parser.add_argument("output", help="the file to write")
+    parser.add_argument("--safetensors", action="store_true",
+                        help="write the model weights as a safetensors file (distributed checkpoints)")
+    parser.add_argument("--strip-prefix", default="", metavar="PREFIX",
+                        help='with --safetensors: drop this from the weights\' names, e.g. "model."')
     args = parser.parse_args(argv)
-    io = NeuronCheckpointIO()
-    io.save_checkpoint(io.load_checkpoint(args.checkpoint), args.output)
+    distributed = is_distributed_checkpoint(args.checkpoint)
+    if args.safetensors:
+        if not distributed:
+            parser.error("--safetensors reads torch.distributed.checkpoint directories (.metadata, *.distcp)")
+        count = write_safetensors(args.checkpoint, args.output, args.strip_prefix)
+        print(f"lightning_trn: wrote {count} tensors to {args.output} from {args.checkpoint}")
+        return
+    if distributed:
+        write_consolidated(args.checkpoint, args.output)
+    else:
+        io = NeuronCheckpointIO()
+        io.save_checkpoint(io.load_checkpoint(args.checkpoint), args.output)
     print(f"lightning_trn: wrote {args.output} from {args.checkpoint}")
 
 

@@ -10,7 +10,9 @@ filesystem, e.g. a tmpfs `/tmp`, the final move is a copy into the target, and a
 Remote paths (`s3://` ...) go through Lightning's fsspec writer.
 
 A sharded ZeRO-1 checkpoint is a directory (`lightning_trn.core.zero1`): loading it reads every rank's file and gives
-the checkpoint with the full optimizer state, as a full checkpoint would.
+the checkpoint with the full optimizer state, as a full checkpoint would. So does loading a torch.distributed.checkpoint
+directory written by a sharded strategy (`lightning_trn.core.distributed_checkpoint`): a sharded run resumes on one
+device, the CPU or a GPU.
 
 The train loaders' resume positions (`DevicePrefetchLoader.state_dict`) are stored under their own top-level key
 instead of Lightning's fit-loop state: a CPU/GPU run, whose plain DataLoader is not stateful, would otherwise refuse
@@ -31,6 +33,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
+from lightning_trn.core.distributed_checkpoint import is_distributed_checkpoint, load_consolidated
 from lightning_trn.core.zero1 import SHARDED_MAIN_FILE, consolidate
 
 
@@ -161,7 +164,9 @@ class NeuronCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         weights_only = True if weights_only is None else weights_only
         main = os.path.join(os.fspath(path), SHARDED_MAIN_FILE)
-        if os.path.isdir(path) and os.path.isfile(main):
+        if is_distributed_checkpoint(path):  # a sharded strategy's directory, loaded whole on one device
+            checkpoint = load_consolidated(path)
+        elif os.path.isdir(path) and os.path.isfile(main):
             checkpoint = super().load_checkpoint(main, map_location=map_location, weights_only=weights_only)
             checkpoint = consolidate(
                 checkpoint, os.fspath(path), lambda file: torch.load(file, map_location="cpu", weights_only=True,

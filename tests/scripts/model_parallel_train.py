@@ -110,8 +110,9 @@ class TokenModel(pl.LightningModule):
         self.dtypes: set[str] = set()
 
     def configure_model(self) -> None:
-        if not isinstance(self.net.head.weight, DTensor) and self.device_mesh.size() > 1:
-            parallelize(self.net, self.device_mesh)
+        mesh = self.device_mesh  # None with a single-device strategy (--single)
+        if mesh is not None and mesh.size() > 1 and not isinstance(self.net.head.weight, DTensor):
+            parallelize(self.net, mesh)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.net(tokens)
@@ -174,7 +175,7 @@ def train_with_fabric(args: argparse.Namespace, loader: DataLoader) -> tuple[dic
 
 
 def train_with_trainer(args: argparse.Namespace, loader: DataLoader) -> tuple[dict, dict]:
-    strategy = ModelParallelStrategy(
+    strategy = "auto" if args.single else ModelParallelStrategy(
         data_parallel_size=args.dp, tensor_parallel_size=args.tp, save_distributed_checkpoint=not args.full
     )
     callbacks = [ModelCheckpoint(args.out, filename="step={step}", every_n_train_steps=3, save_top_k=-1,
@@ -186,8 +187,12 @@ def train_with_trainer(args: argparse.Namespace, loader: DataLoader) -> tuple[di
     )
     with trainer.init_module(empty_init=args.meta):
         model = TokenModel()
-    trainer.fit(model, DataLoader(loader.dataset, batch_size=GLOBAL_BATCH // args.dp // ACCUMULATE, shuffle=True),
-                ckpt_path=args.resume)
+    per_rank = GLOBAL_BATCH // args.dp // ACCUMULATE
+    # sharded: Lightning's DistributedSampler (shuffled with the global seed); one device: the same sampler, given
+    train = loader if args.single else DataLoader(loader.dataset, batch_size=per_rank, shuffle=True)
+    trainer.fit(model, train, ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(Path(args.out) / "final.ckpt")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return state, {"losses": model.losses, "strategy": type(trainer.strategy).__name__,
                    "dtypes": sorted(model.dtypes), "rank": trainer.global_rank}
@@ -201,10 +206,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps in all")
     parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--save", action="store_true", help="Trainer: checkpoint after optimizer step 3")
+    parser.add_argument("--save", action="store_true",
+                        help="Trainer: checkpoints after optimizer steps 3 and 6 and at the end (final.ckpt)")
     parser.add_argument("--full", action="store_true", help="full (one-file) checkpoints")
     parser.add_argument("--resume", default=None, help="Trainer: the checkpoint to resume")
     parser.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    parser.add_argument("--single", action="store_true", help="Trainer: one device, the single-device strategy")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

@@ -21,6 +21,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_trn import NeuronModelParallelStrategy
+from lightning_trn.core.distributed_checkpoint import DistributedCheckpointReader, write_consolidated
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronModelParallelStrategy
 from tests.launch import child_env
 from tests.test_misconfiguration import documented_rows
@@ -61,7 +62,7 @@ def fsdp_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp_neuron(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """The same job on 2 `neuron` devices, with a distributed checkpoint after optimizer step 3."""
+    """The same job on 2 `neuron` devices, with distributed checkpoints after optimizer step 3 and at the end."""
     out = tmp_path_factory.mktemp("fsdp_neuron")
     return _run(out, "--dp", "2", "--save"), out / "step=3.ckpt"
 
@@ -93,6 +94,66 @@ def test_resume_on_another_mesh_equals_uninterrupted_run(tmp_path: Path, fsdp_ne
     resumed = _run(tmp_path, "--tp", "2", "--resume", str(checkpoint))
     assert len(resumed["losses"]) == (8 - 3) * 2  # the micro-batches after step 3
     _assert_same_weights(resumed, uninterrupted)
+
+
+def test_resume_on_one_device_equals_uninterrupted_run(tmp_path: Path, fsdp_neuron: tuple[dict, Path]) -> None:
+    """The sharded directory resumes with the single-device strategy (`NeuronCheckpointIO` consolidates it on the
+    host: weights, Adam moments by parameter position, loops)."""
+    uninterrupted, checkpoint = fsdp_neuron
+    resumed = _run(tmp_path, "--single", "--resume", str(checkpoint))
+    assert resumed["strategy"] == "SingleDeviceNeuronStrategy"
+    _assert_same_weights(resumed, uninterrupted)
+
+
+def test_consolidated_checkpoint_loads_without_the_standin(tmp_path: Path, fsdp_neuron: tuple[dict, Path]) -> None:
+    """`python -m lightning_trn.consolidate` (CPU, no process group) makes one file, and a safetensors file of the
+    weights, that a process without the stand-in loads with `weights_only=True`: the weights equal the gathered ones,
+    the optimizer state is the one-file format's (by parameter position)."""
+    uninterrupted, checkpoint = fsdp_neuron
+    final = checkpoint.parent / "final.ckpt"
+    env = {k: v for k, v in child_env().items() if not k.startswith("LIGHTNING_TRN_STANDIN")}
+    for extra in ([], ["--safetensors", "--strip-prefix", "net."]):
+        output = tmp_path / ("weights.safetensors" if extra else "consolidated.ckpt")
+        command = [sys.executable, "-m", "lightning_trn.consolidate", str(final), str(output), *extra]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+    check = (
+        "import sys, torch; from safetensors.torch import load_file\n"
+        "assert not hasattr(torch, 'neuron'), 'the stand-in is loaded'\n"
+        "c = torch.load(sys.argv[1], weights_only=True); s = load_file(sys.argv[2])\n"
+        "o = c['optimizer_states'][0]\n"
+        "print(len(c['state_dict']), sorted(o['state']) == list(range(len(c['state_dict']))), c['global_step'])\n"
+        "torch.save({'ckpt': c['state_dict'], 'safetensors': s}, sys.argv[3])\n"
+    )
+    command = [sys.executable, "-c", check, str(tmp_path / "consolidated.ckpt"), str(tmp_path / "weights.safetensors"),
+               str(tmp_path / "loaded.pt")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    count = len(uninterrupted["weights"])
+    assert result.stdout.split() == [str(count), "True", "8"]
+    loaded = torch.load(tmp_path / "loaded.pt")
+    _assert_same_weights({"weights": loaded["ckpt"]}, uninterrupted)
+    names = {f"net.{name}": value for name, value in loaded["safetensors"].items()}
+    _assert_same_weights({"weights": names}, uninterrupted)
+
+
+def test_consolidation_reads_one_tensor_at_a_time(
+    tmp_path: Path, fsdp_neuron: tuple[dict, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streaming: every read of tensor data asks for one entry, so the host holds one tensor at a time."""
+    _, checkpoint = fsdp_neuron
+    reads: list[list[str]] = []
+    load = DistributedCheckpointReader.load
+
+    def recording(self: DistributedCheckpointReader, entries: dict) -> dict:
+        reads.append([key for key, value in entries.items() if value is not None])
+        return load(self, entries)
+
+    monkeypatch.setattr(DistributedCheckpointReader, "load", recording)
+    write_consolidated(checkpoint, tmp_path / "one.ckpt")
+    tensor_reads = [keys for keys in reads if keys]
+    assert len(tensor_reads) == len(DistributedCheckpointReader(checkpoint).tensors())
+    assert all(len(keys) == 1 for keys in tensor_reads)
 
 
 def test_fabric_tensor_parallel_equals_trainer(tmp_path: Path, one_process: dict) -> None:

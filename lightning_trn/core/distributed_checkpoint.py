@@ -1,0 +1,229 @@
+"""Reading the torch.distributed.checkpoint (DCP) directories that sharded strategies write, on the CPU, without a
+process group or a device: the whole checkpoint in Lightning's one-file format (`load_consolidated`, which
+`NeuronCheckpointIO` uses to resume a sharded run on one device, the CPU or a GPU), or written to a file one tensor at
+a time (`write_consolidated`, `python -m lightning_trn.consolidate`), also as a Hugging Face safetensors file.
+
+A directory holds `.metadata` (every entry's shape, dtype and where its chunks are), one `__<rank>_0.distcp` file
+per rank, and `meta.pt` from rank 0 (Lightning's loops, callbacks and the ranks' random state). Entries are
+flattened: `state_dict.<parameter>`, `optimizer_<i>.state.<parameter>.exp_avg`, `optimizer_<i>.param_groups...`;
+optimizer states are keyed by parameter name (`get_optimizer_state_dict`), which the one-file format replaces by
+the parameter's position, as `optimizer.state_dict()` does. Non-tensor entries load with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+import warnings
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, load
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+#: the file of the DCP directory that says what it holds
+METADATA_FILE = ".metadata"
+#: the rest of Lightning's checkpoint, written beside the shards by rank 0 (Trainer and Fabric)
+LIGHTNING_META_FILE = "meta.pt"
+_OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
+#: safetensors' dtype names
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def is_distributed_checkpoint(path: Any) -> bool:
+    """Whether `path` is a local DCP directory."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load of a flat state dict, with non-tensor entries unpickled by `weights_only=True` (DCP's own
+    planner unpickles them with any class)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+class DistributedCheckpointReader:
+    """One DCP directory, read entry by entry on the host (no process group)."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = os.fspath(path)
+        self.metadata: Metadata = FileSystemReader(self.path).read_metadata()
+
+    def tensors(self) -> dict[str, TensorStorageMetadata]:
+        """Every tensor entry (flattened key) and its global shape and dtype."""
+        entries = self.metadata.state_dict_metadata.items()
+        return {key: md for key, md in entries if isinstance(md, TensorStorageMetadata)}
+
+    def load(self, entries: dict[str, Any]) -> dict[str, Any]:
+        """Fill `entries` (flattened key -> a CPU tensor of the entry's shape to copy into, or None for a non-tensor
+        entry) from the directory; returns it. Reads only those entries' chunks."""
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            load(entries, storage_reader=FileSystemReader(self.path), planner=_WeightsOnlyPlanner(), no_dist=True)
+        return entries
+
+    def load_tensor(self, key: str, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One tensor entry, whole, into `into` or a new CPU tensor."""
+        md = self.tensors()[key]
+        tensor = torch.empty(md.size, dtype=md.properties.dtype) if into is None else into
+        return self.load({key: tensor})[key]
+
+    def non_tensors(self) -> dict[str, Any]:
+        """Every non-tensor entry (hyperparameters of the optimizers' groups, step counters saved as numbers)."""
+        keys = [key for key in self.metadata.state_dict_metadata if key not in self.tensors()]
+        return self.load(dict.fromkeys(keys)) if keys else {}
+
+    def path_of(self, key: str) -> tuple:
+        """Where flattened `key` sits in the saved (nested) state: DCP records it in the metadata."""
+        mappings = self.metadata.planner_data or {}
+        return tuple(mappings.get(key, (key,)))
+
+    def lightning_meta(self) -> dict[str, Any]:
+        """What rank 0 wrote beside the shards (`meta.pt`), or nothing."""
+        file = os.path.join(self.path, LIGHTNING_META_FILE)
+        return torch.load(file, map_location="cpu", weights_only=True) if os.path.isfile(file) else {}
+
+
+def _set(root: dict[str, Any], path: tuple, value: Any) -> None:
+    """Put `value` at `path` (dict keys and list positions) in `root`, making the containers on the way."""
+    node: Any = root
+    for key, following in zip(path[:-1], path[1:]):
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = [] if isinstance(following, int) else {}
+        elif key not in node:
+            node[key] = [] if isinstance(following, int) else {}
+        node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def _by_position(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (DCP) keyed by position instead, as `optimizer.state_dict()` is:
+    positions count the parameters through the groups in order."""
+    names = [name for group in optimizer.get("param_groups", []) for name in group["params"]]
+    position = {name: index for index, name in enumerate(names)}
+    groups = [{**group, "params": [position[name] for name in group["params"]]} for group in optimizer["param_groups"]]
+    state = {position[name]: value for name, value in optimizer.get("state", {}).items()}
+    return {"state": state, "param_groups": groups}
+
+
+def _is_named_optimizer_state(value: Any) -> bool:
+    groups = value.get("param_groups") if isinstance(value, dict) else None
+    return bool(groups) and all(isinstance(name, str) for group in groups for name in group.get("params", []))
+
+
+def _one_file_format(saved: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's one-file checkpoint from a DCP directory's state and `meta.pt`: the Trainer's `optimizer_<i>`
+    entries become `optimizer_states`, every optimizer state is keyed by position."""
+    checkpoint = {**meta}
+    optimizers: dict[int, Any] = {}
+    for key, value in saved.items():
+        match = _OPTIMIZER_KEY.fullmatch(key)
+        value = _by_position(value) if _is_named_optimizer_state(value) else value
+        if match and "state_dict" in saved:
+            optimizers[int(match.group(1))] = value
+        else:
+            checkpoint[key] = value
+    if optimizers:
+        checkpoint["optimizer_states"] = [optimizers[index] for index in sorted(optimizers)]
+    return checkpoint
+
+
+def load_consolidated(path: Any) -> dict[str, Any]:
+    """The whole checkpoint of DCP directory `path` in Lightning's one-file format, CPU tensors (what a
+    `save_distributed_checkpoint=False` run would have written)."""
+    reader = DistributedCheckpointReader(path)
+    saved: dict[str, Any] = {}
+    for key, value in reader.non_tensors().items():
+        _set(saved, reader.path_of(key), value)
+    for key in reader.tensors():
+        _set(saved, reader.path_of(key), reader.load_tensor(key))
+    return _one_file_format(saved, reader.lightning_meta())
+
+
+def write_consolidated(path: Any, output: Any) -> None:
+    """Write DCP directory `path` as one checkpoint file (Lightning's format, `torch.load(weights_only=True)`), one
+    tensor at a time: each is read straight into a memory-mapped scratch file beside `output` (the host holds one
+    tensor's chunks at a time; the page cache holds the rest and can write it out), then `torch.save` streams them
+    into the file, which replaces `output` atomically."""
+    from lightning_trn.core.checkpoint_io import atomic_local_save
+
+    reader = DistributedCheckpointReader(path)
+    directory = os.path.dirname(os.path.abspath(os.fspath(output)))
+    os.makedirs(directory, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".consolidate-", dir=directory)
+    try:
+        saved: dict[str, Any] = {}
+        for key, value in reader.non_tensors().items():
+            _set(saved, reader.path_of(key), value)
+        for index, (key, md) in enumerate(reader.tensors().items()):
+            numel = 1
+            for size in md.size:
+                numel *= size
+            file = os.path.join(scratch, str(index))
+            mapped = torch.from_file(file, shared=True, size=numel, dtype=md.properties.dtype).view(md.size)
+            _set(saved, reader.path_of(key), reader.load_tensor(key, into=mapped))
+        atomic_local_save(_one_file_format(saved, reader.lightning_meta()), output)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def model_tensors(reader: DistributedCheckpointReader, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(flattened key, name) of the model's weights in the directory: the Trainer's `state_dict`, Fabric's `model`
+    entry; the name without the entry's key and without `prefix`."""
+    for key in reader.tensors():
+        path = reader.path_of(key)
+        if path[0] in ("state_dict", "model") and len(path) == 2:
+            name = str(path[1])
+            yield key, name[len(prefix):] if prefix and name.startswith(prefix) else name
+
+
+def write_safetensors(path: Any, output: Any, prefix: str = "") -> int:
+    """Write the model weights of DCP directory `path` as a safetensors file (Hugging Face's format), names without
+    `prefix` (e.g. "model." for a LightningModule holding the Hugging Face model as `self.model`): the header first
+    (shapes and dtypes are in the metadata), then one tensor at a time. Returns how many tensors."""
+    reader = DistributedCheckpointReader(path)
+    tensors = reader.tensors()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    order = []
+    offset = 0
+    for key, name in model_tensors(reader, prefix):
+        md = tensors[key]
+        if md.properties.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: safetensors has no dtype for {md.properties.dtype}.")
+        numel = 1
+        for size in md.size:
+            numel *= size
+        nbytes = numel * md.properties.dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[md.properties.dtype], "shape": list(md.size),
+                        "data_offsets": [offset, offset + nbytes]}
+        order.append(key)
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    tmp = f"{os.fspath(output)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for key in order:
+            f.write(reader.load_tensor(key).contiguous().reshape(-1).view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    return len(order)
