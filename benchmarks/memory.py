@@ -1,8 +1,9 @@
 """What the memory tools save and cost, on the backend this runs on: ZeRO-1 against plain data parallel (2
-processes), activation checkpointing against none (1 process).
+processes), activation checkpointing against none (1 process), and natively FSDP2 (`strategy="fsdp"`, each block a
+unit) against plain data parallel (2 processes).
 
     python -m benchmarks.memory [--width 1024] [--depth 4] [--batch 128] [--steps 20] [--warmup 3]
-                                [--pairs zero1,zero1-bf16,checkpointing]
+                                [--pairs zero1,zero1-bf16,checkpointing,fsdp]
 
 A stack of `depth` blocks (two Linear(width, width), each followed by GELU) trained with AdamW through
 `Trainer(accelerator="neuron")`. Printed per pair, each with its ratio against the baseline run beside it: the
@@ -32,7 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks._harness import format_table, wait_for_device
 from lightning_trn import NeuronPrecision
-from lightning_trn.core.zero1 import optimizer_state_bytes
+from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
+from lightning_trn.core.zero1 import local_bytes, optimizer_state_bytes
 from lightning_trn.runtime import get_runtime
 
 
@@ -68,7 +70,8 @@ def _allocator() -> Optional[Any]:
 
 
 def _bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """What the tensors take on this rank (a DTensor: its shard)."""
+    return sum(local_bytes(t) for t in tensors)
 
 
 def _gradient_bytes(trainer: pl.Trainer) -> int:
@@ -134,8 +137,9 @@ def worker(args: argparse.Namespace) -> None:
     data = TensorDataset(torch.randn(args.batch * args.devices * (args.steps + args.warmup), args.width))
     clock, activations = _Clock(args.warmup), _ActivationPeak(args.warmup)
     precision = NeuronPrecision(args.precision, master_weights=args.master_weights)
+    strategy = NeuronFSDPStrategy(auto_wrap_policy={torch.nn.Sequential}) if args.strategy == "fsdp" else args.strategy
     trainer = pl.Trainer(
-        accelerator="neuron", devices=args.devices, strategy=args.strategy, plugins=[precision],
+        accelerator="neuron", devices=args.devices, strategy=strategy, plugins=[precision],
         max_steps=args.steps + args.warmup,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[clock, activations],
@@ -186,7 +190,10 @@ PAIRS = {
     "zero1-bf16": ("ZeRO-1 vs DDP, bf16-true with fp32 masters, 2 processes", (*_DDP, *_BF16, "--master-weights"),
                    (*_ZERO1, *_BF16)),
     "checkpointing": ("activation checkpointing vs none, 1 process", (), ("--checkpointed",)),
+    "fsdp": ("FSDP2 vs DDP, fp32, 2 processes (native)", _DDP, ("--devices", "2", "--strategy", "fsdp")),
 }
+#: pairs that need a backend that shards models (`DeviceRuntime.shards_models`)
+_SHARDED_PAIRS = ("fsdp",)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -196,7 +203,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--batch", type=int, default=128, help="samples per process and step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of: {', '.join(PAIRS)}")
+    parser.add_argument("--pairs", default=None,
+                        help=f"comma-separated, of: {', '.join(PAIRS)} (default: those the backend runs)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
@@ -208,9 +216,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker:
         worker(args)
         return
+    pairs = args.pairs.split(",") if args.pairs else [
+        name for name in PAIRS if get_runtime().shards_models or name not in _SHARDED_PAIRS
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for index, (name, baseline_args, tool_args) in enumerate(PAIRS[key] for key in args.pairs.split(",")):
+        for index, (name, baseline_args, tool_args) in enumerate(PAIRS[key] for key in pairs):
             baseline = _run(args, Path(tmp) / f"{index}-baseline.json", *baseline_args)
             tool = _run(args, Path(tmp) / f"{index}-tool.json", *tool_args)
             rows.append([

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lightning_trn import NeuronAccelerator, NeuronDDPStrategy, NeuronPrecision, SingleDeviceNeuronStrategy
 from lightning_trn.hooks import registration
@@ -25,7 +25,7 @@ def test_lightning_ddp_names_mean_the_neuron_ddp_strategy(strategy):
 
 @pytest.mark.parametrize(
     "strategy",
-    ["ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "fsdp", "deepspeed", "single_device"],
+    ["ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "deepspeed", "single_device"],
 )
 def test_strategies_that_cannot_run_on_neuron_are_refused_at_construction(strategy):
     with pytest.raises(ValueError, match=rf"strategy='{strategy}'\)` is not supported.*strategy='ddp'"):
@@ -35,6 +35,15 @@ def test_strategies_that_cannot_run_on_neuron_are_refused_at_construction(strate
 def test_a_strategy_object_that_cannot_run_on_neuron_is_refused():
     with pytest.raises(ValueError, match=r"strategy=DDPStrategy\)` is not supported"):
         Trainer(accelerator="neuron", strategy=DDPStrategy(), devices=2, **QUIET)
+
+
+@pytest.mark.xla_only
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_cpu_offload", FSDPStrategy, ModelParallelStrategy])
+def test_sharded_strategies_are_refused_on_xla_at_construction_naming_what_works(strategy):
+    """FSDP2 and tensor parallelism need the native backend: one paragraph naming ZeRO-1, not a failure in `fit`."""
+    flag = strategy() if isinstance(strategy, type) else strategy
+    with pytest.raises(ValueError, match=r"not available on lightning_trn's xla backend.*strategy='neuron_zero1'"):
+        Trainer(accelerator="neuron", strategy=flag, devices=2, **QUIET)
 
 
 def test_cpu_runs_keep_lightnings_strategies():

@@ -50,6 +50,8 @@ class NeuronStrategyCore:
     ) -> None:
         super().__init__(*args, **kwargs)
         self._activation_checkpointing_policy = activation_checkpointing_policy
+        #: the module the policy was applied to (once: the FSDP strategy applies it before sharding)
+        self._checkpointed: Optional[Module] = None
         #: the latest batches this strategy's prefetchers handed out (already on the device)
         self._deliveries: deque = deque(maxlen=_RECENT_DELIVERIES)
         #: the run's base device seed; training batch i draws from `step_seed(_device_seed, i)`
@@ -98,12 +100,13 @@ class NeuronStrategyCore:
         """Wrap the submodules `activation_checkpointing_policy` selects in torch's `checkpoint_wrapper`, with the
         helpers of Lightning's FSDPStrategy (so the policy means the same; a model already holding checkpoint
         wrappers is left alone, with a warning). State-dict keys do not change."""
-        if self._activation_checkpointing_policy is None:
+        if self._activation_checkpointing_policy is None or module is self._checkpointed:
             return
         from lightning.fabric.strategies.fsdp import _activation_checkpointing_kwargs, _setup_activation_checkpointing
 
         kwargs = _activation_checkpointing_kwargs(None, self._activation_checkpointing_policy)
         _setup_activation_checkpointing(module, kwargs)
+        self._checkpointed = module
 
     def _move_keeping_ties(self, module: Module) -> None:
         """Move `module` to the device, keeping tied weights tied (moving between the host and the device creates new

@@ -62,13 +62,17 @@ def sharding_of(optimizer: Optimizer) -> Optional[Zero1Sharding]:
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of the tensors in `optimizer.state` on this rank (what ZeRO-1 divides by the world size)."""
-    return sum(
-        value.numel() * value.element_size()
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, Tensor)
-    )
+    """Bytes of the tensors in `optimizer.state` on this rank (what ZeRO-1 divides by the world size; of a DTensor,
+    this rank's shard)."""
+    return sum(local_bytes(value) for state in optimizer.state.values() for value in state.values())
+
+
+def local_bytes(value: Any) -> int:
+    """Bytes `value` takes on this rank: a tensor's, a DTensor's local shard's; 0 for anything else."""
+    if not isinstance(value, Tensor):
+        return 0
+    local = value.to_local() if hasattr(value, "to_local") else value
+    return local.numel() * local.element_size()
 
 
 def chunk_file(rank: int) -> str:

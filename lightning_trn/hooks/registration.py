@@ -20,21 +20,23 @@ from lightning.fabric.accelerators import ACCELERATOR_REGISTRY as FABRIC_ACCELER
 from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies import Strategy as FabricStrategy
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from lightning_trn import fabric
 from lightning_trn.accelerator import NeuronAccelerator
+from lightning_trn.core.fsdp import lightning_fsdp_arguments
 from lightning_trn.core.model_parallel import lightning_model_parallel_arguments
 from lightning_trn.hooks.registry import TESTED_LIGHTNING, lightning_version_tested
 from lightning_trn.hooks.throughput import install_throughput_hooks
 from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.pytorch.strategies import (
-    NeuronDDPStrategy, NeuronModelParallelStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy,
+    NeuronDDPStrategy, NeuronFSDPStrategy, NeuronModelParallelStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy,
 )
 from lightning_trn.runtime import neuron_hardware_present
 
@@ -43,8 +45,10 @@ _NAME = NeuronAccelerator.name()
 _DDP_STRATEGY_NAME = NeuronDDPStrategy.strategy_name
 _NEURON_STRATEGY_NAMES = (
     _DDP_STRATEGY_NAME, NeuronDDPStrategy.zero1_strategy_name, SingleDeviceNeuronStrategy.strategy_name,
-    NeuronModelParallelStrategy.strategy_name,
+    NeuronModelParallelStrategy.strategy_name, NeuronFSDPStrategy.strategy_name,
 )
+#: Lightning's FSDP strategy names, served by `NeuronFSDPStrategy`
+_FSDP_NAMES = ("fsdp", "fsdp_cpu_offload")
 #: Lightning strategy names that mean what `neuron_ddp` does: one process per device, started with the script
 _DDP_ALIASES = ("ddp", "ddp_find_unused_parameters_false")
 
@@ -65,6 +69,9 @@ class _API:
     model_parallel: type
     #: Lightning's `ModelParallelStrategy` of this API, which a Neuron run replaces by `model_parallel`
     lightning_model_parallel: type
+    #: the Neuron strategy for Lightning's `FSDPStrategy` arguments, and Lightning's
+    fsdp: type
+    lightning_fsdp: type
     #: the connector's Neuron precision plugin, or None when the user passed a precision plugin object
     precision: Callable[[Any], Any]
 
@@ -85,12 +92,13 @@ def _fabric_precision(connector: _Connector) -> Any:
 TRAINER = _API(
     "Trainer", "lightning_trn", _AcceleratorConnector, AcceleratorRegistry, StrategyRegistry, NeuronStrategyMixin,
     SingleDeviceNeuronStrategy, NeuronDDPStrategy, NeuronModelParallelStrategy, ModelParallelStrategy,
-    _trainer_precision,
+    NeuronFSDPStrategy, FSDPStrategy, _trainer_precision,
 )
 FABRIC = _API(
     "Fabric", "lightning_trn.fabric", _Connector, FABRIC_ACCELERATORS, FABRIC_STRATEGIES,
     fabric.strategies.NeuronFabricStrategyMixin, fabric.SingleDeviceNeuronStrategy, fabric.NeuronDDPStrategy,
-    fabric.NeuronModelParallelStrategy, FabricModelParallelStrategy, _fabric_precision,
+    fabric.NeuronModelParallelStrategy, FabricModelParallelStrategy, fabric.NeuronFSDPStrategy, FabricFSDPStrategy,
+    _fabric_precision,
 )
 
 
@@ -126,6 +134,10 @@ def _neuron_strategy_flag(api: _API, flag: Any) -> Any:
         return _DDP_STRATEGY_NAME
     if isinstance(flag, api.lightning_model_parallel):  # a script written for GPUs: the same arguments on NeuronCores
         return api.model_parallel(**lightning_model_parallel_arguments(flag))
+    if flag in _FSDP_NAMES:
+        return api.fsdp(cpu_offload=flag == "fsdp_cpu_offload")
+    if isinstance(flag, api.lightning_fsdp):
+        return api.fsdp(**lightning_fsdp_arguments(flag))
     name = type(flag).__name__ if isinstance(flag, (Strategy, FabricStrategy)) else repr(flag)
     raise ValueError(
         f"`{api.name}(accelerator='neuron', strategy={name})` is not supported. On NeuronCores lightning_trn trains "
@@ -135,8 +147,7 @@ def _neuron_strategy_flag(api: _API, flag: Any) -> Any:
         "'ddp_notebook') cannot share the device runtime, `find_unused_parameters=True` is not available, and "
         "of the sharded strategies lightning_trn offers ZeRO-1, the optimizer state sharded over the data-parallel "
         "ranks (`strategy='neuron_zero1'`), and on the native backend Lightning's `ModelParallelStrategy` (FSDP2 "
-        "and tensor parallelism, `fully_shard` / `parallelize_module` in `configure_model`); DeepSpeed is not "
-        "available."
+        "and tensor parallelism) and `FSDPStrategy` / 'fsdp' (served by FSDP2); DeepSpeed is not available."
     )
 
 
@@ -217,7 +228,7 @@ def register() -> None:
     `ThroughputMonitor`'s peak-FLOPs lookup (idempotent)."""
     for api in (TRAINER, FABRIC):
         _register_accelerator(api.accelerators)
-        for strategy in (api.single, api.ddp, api.model_parallel):
+        for strategy in (api.single, api.ddp, api.model_parallel, api.fsdp):
             if strategy.strategy_name not in api.strategies:
                 strategy.register_strategies(api.strategies)
         _install_connector_hooks(api)

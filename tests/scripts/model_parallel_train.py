@@ -3,6 +3,8 @@
 `configure_model`, written as for GPUs with Lightning's `ModelParallelStrategy`; `--accelerator cpu` is Lightning's
 own run on gloo (the reference), `--accelerator neuron` the same script on the `neuron` device. `--api fabric`: the
 same job as a Fabric loop (`ModelParallelStrategy(parallelize_fn)`, `fabric.clip_gradients`, `fabric.save`).
+`--fsdp FULL_SHARD` (or another sharding strategy): the job as a Lightning FSDP script, `FSDPStrategy` with the
+blocks as auto-wrap and activation-checkpointing units, no `configure_model` sharding.
 
 AdamW, gradient clipping (active), accumulation 2 and a per-step LR schedule; 8 sequences per optimizer step in
 total whatever the mesh (each data-parallel rank takes 8 / dp), so every mesh computes the same steps. Writes to
@@ -21,12 +23,14 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -94,6 +98,12 @@ def optimizer_and_schedule(module: nn.Module) -> tuple[torch.optim.Optimizer, ob
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
+def layout(model: nn.Module) -> dict:
+    """How many FSDP units and activation-checkpointed modules the model ended with."""
+    return {"fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+            "checkpointed": sum(isinstance(m, CheckpointWrapper) for m in model.modules())}
+
+
 def as_number(loss: torch.Tensor) -> float:
     loss = loss.detach()
     return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
@@ -137,10 +147,26 @@ class TokenModel(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class FSDPTokenModel(TokenModel):
+    """As a Lightning FSDP script has it: no sharding of its own, the strategy's arguments say what to shard."""
+
+    def configure_model(self) -> None:
+        pass
+
+
+def fsdp_arguments(args: argparse.Namespace) -> dict:
+    """`FSDPStrategy` arguments: each block a unit of its own, recomputed in backward."""
+    mesh = {"device_mesh": (args.dp // 2, 2)} if "HYBRID" in args.fsdp else {}
+    return {"auto_wrap_policy": {Block}, "activation_checkpointing_policy": {Block}, "sharding_strategy": args.fsdp,
+            **mesh}
+
+
 def train_with_fabric(args: argparse.Namespace, loader: DataLoader) -> tuple[dict, dict]:
     """The Trainer's job as a Fabric loop: `fabric.setup` parallelizes, the loop accumulates and clips."""
+    strategy = (FabricFSDPStrategy(**fsdp_arguments(args)) if args.fsdp
+                else FabricModelParallelStrategy(parallelize, args.dp, args.tp))
     fabric = Fabric(accelerator=args.accelerator, devices=args.dp * args.tp, precision=args.precision,
-                    strategy=FabricModelParallelStrategy(parallelize, args.dp, args.tp))
+                    strategy=strategy)
     fabric.launch()
     fabric.seed_everything(SEED)
     with fabric.init_module(empty_init=args.meta):
@@ -154,7 +180,7 @@ def train_with_fabric(args: argparse.Namespace, loader: DataLoader) -> tuple[dic
         if index == args.steps * ACCUMULATE:
             break
         if args.dp > 1:  # each data-parallel rank takes its share of the batch
-            rank = fabric.strategy.device_mesh["data_parallel"].get_local_rank()
+            rank = fabric.global_rank if args.fsdp else fabric.strategy.device_mesh["data_parallel"].get_local_rank()
             tokens = tokens[rank::args.dp]
         logits = model(tokens[:, :-1])
         dtypes.add(str(logits.dtype))
@@ -171,13 +197,15 @@ def train_with_fabric(args: argparse.Namespace, loader: DataLoader) -> tuple[dic
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     state = {f"net.{name}": value for name, value in state.items()}  # the LightningModule's names
     return state, {"losses": losses, "strategy": type(fabric.strategy).__name__, "dtypes": sorted(dtypes),
-                   "rank": fabric.global_rank}
+                   "rank": fabric.global_rank, **layout(model)}
 
 
 def train_with_trainer(args: argparse.Namespace, loader: DataLoader) -> tuple[dict, dict]:
     strategy = "auto" if args.single else ModelParallelStrategy(
         data_parallel_size=args.dp, tensor_parallel_size=args.tp, save_distributed_checkpoint=not args.full
     )
+    if args.fsdp:
+        strategy = FSDPStrategy(**fsdp_arguments(args), state_dict_type="full" if args.full else "sharded")
     callbacks = [ModelCheckpoint(args.out, filename="step={step}", every_n_train_steps=3, save_top_k=-1,
                                  auto_insert_metric_name=False)] if args.save else []
     trainer = pl.Trainer(
@@ -186,7 +214,7 @@ def train_with_trainer(args: argparse.Namespace, loader: DataLoader) -> tuple[di
         logger=False, enable_checkpointing=args.save, enable_progress_bar=False, enable_model_summary=False,
     )
     with trainer.init_module(empty_init=args.meta):
-        model = TokenModel()
+        model = FSDPTokenModel() if args.fsdp else TokenModel()
     per_rank = GLOBAL_BATCH // args.dp // ACCUMULATE
     # sharded: Lightning's DistributedSampler (shuffled with the global seed); one device: the same sampler, given
     train = loader if args.single else DataLoader(loader.dataset, batch_size=per_rank, shuffle=True)
@@ -195,7 +223,7 @@ def train_with_trainer(args: argparse.Namespace, loader: DataLoader) -> tuple[di
         trainer.save_checkpoint(Path(args.out) / "final.ckpt")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return state, {"losses": model.losses, "strategy": type(trainer.strategy).__name__,
-                   "dtypes": sorted(model.dtypes), "rank": trainer.global_rank}
+                   "dtypes": sorted(model.dtypes), "rank": trainer.global_rank, **layout(model)}
 
 
 def main() -> None:
@@ -212,6 +240,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="Trainer: the checkpoint to resume")
     parser.add_argument("--meta", action="store_true", help="build the model on the meta device")
     parser.add_argument("--single", action="store_true", help="Trainer: one device, the single-device strategy")
+    parser.add_argument("--fsdp", default=None, help="FSDPStrategy with this sharding strategy (over --dp devices)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_trn import NeuronModelParallelStrategy
+from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from lightning_trn.core.distributed_checkpoint import DistributedCheckpointReader, write_consolidated
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronModelParallelStrategy
 from tests.launch import child_env
@@ -174,6 +175,33 @@ def test_bf16_mixed_computes_in_bf16_with_fp32_weights(tmp_path: Path) -> None:
     assert {value.dtype for value in run["weights"].values()} == {torch.float32}
 
 
+@pytest.mark.parametrize(
+    ("api", "processes", "sharding"),
+    [("trainer", 2, "FULL_SHARD"), ("trainer", 4, "HYBRID_SHARD"), ("fabric", 2, "SHARD_GRAD_OP")],
+)
+def test_lightning_fsdp_script_equals_one_process(
+    tmp_path: Path, one_process: dict, api: str, processes: int, sharding: str
+) -> None:
+    """A Lightning FSDP script (`FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block},
+    sharding_strategy=...)`, no sharding of its own) served by FSDP2: each block a unit and checkpointed, the model
+    the root unit; HYBRID_SHARD on a (2 replicas, 2 shards) mesh. Ends where one unsharded process ends."""
+    run = _run(tmp_path, "--api", api, "--dp", str(processes), "--fsdp", sharding)
+    assert run["strategy"] == "NeuronFSDPStrategy"
+    assert (run["fsdp_units"], run["checkpointed"]) == (2 + 1, 2)  # the blocks and the root; the blocks
+    _assert_same_weights(run, one_process)
+
+
+def test_fsdp_arguments_fsdp2_cannot_serve_are_refused() -> None:
+    """Every FSDP1 sharding strategy maps (Lightning's own constructor rejects other names); FSDP1-only options are
+    refused at construction."""
+    with pytest.raises(ValueError) as raised:
+        Trainer(accelerator="neuron", devices=2, logger=False, strategy=FSDPStrategy(ignored_modules=[]))
+    assert "FSDPStrategy(ignored_modules=...) is not available" in str(raised.value)
+    _assert_documented("fsdp-sharding-strategy", str(raised.value))
+    with pytest.raises(ValueError, match="expresses FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD"):
+        NeuronFSDPStrategy(sharding_strategy="SHARD_EVERYTHING")
+
+
 def test_script_for_gpus_gets_the_neuron_strategy() -> None:
     """`strategy=ModelParallelStrategy(...)` with `accelerator="neuron"` becomes ours, with the same arguments."""
     trainer = Trainer(accelerator="neuron", devices=2, logger=False,
@@ -184,6 +212,9 @@ def test_script_for_gpus_gets_the_neuron_strategy() -> None:
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (1, 2)
     assert strategy._save_distributed_checkpoint is False
     assert strategy.root_device.type == "neuron"
+    fsdp = Trainer(accelerator="neuron", devices=2, logger=False, strategy="fsdp").strategy
+    assert isinstance(fsdp, NeuronFSDPStrategy)
+    assert fsdp.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
 
 def test_fabric_optimizer_made_before_sharding_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
