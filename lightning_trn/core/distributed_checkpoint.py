@@ -162,7 +162,7 @@ def write_consolidated(path: Any, output: Any) -> None:
     tensor at a time: each is read straight into a memory-mapped scratch file beside `output` (the host holds one
     tensor's chunks at a time; the page cache holds the rest and can write it out), then `torch.save` streams them
     into the file, which replaces `output` atomically."""
-    from lightning_trn.core.checkpoint_io import atomic_local_save
+    from lightning_trn.core.checkpoint_io import atomic_local_save, stash_loader_states
 
     reader = DistributedCheckpointReader(path)
     directory = os.path.dirname(os.path.abspath(os.fspath(output)))
@@ -179,7 +179,9 @@ def write_consolidated(path: Any, output: Any) -> None:
             file = os.path.join(scratch, str(index))
             mapped = torch.from_file(file, shared=True, size=numel, dtype=md.properties.dtype).view(md.size)
             _set(saved, reader.path_of(key), reader.load_tensor(key, into=mapped))
-        atomic_local_save(_one_file_format(saved, reader.lightning_meta()), output)
+        # as every one-file checkpoint of lightning_trn: the train loaders' resume positions under their own key, so
+        # a CPU/GPU run (plain, stateless DataLoaders) accepts the file (`lightning_trn.core.checkpoint_io`)
+        atomic_local_save(stash_loader_states(_one_file_format(saved, reader.lightning_meta())), output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

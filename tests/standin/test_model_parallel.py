@@ -138,6 +138,24 @@ def test_consolidated_checkpoint_loads_without_the_standin(tmp_path: Path, fsdp_
     _assert_same_weights({"weights": names}, uninterrupted)
 
 
+def test_consolidated_checkpoint_resumes_with_a_cpu_trainer(tmp_path: Path, fsdp_neuron: tuple[dict, Path]) -> None:
+    """The final directory, consolidated, is accepted by `Trainer(accelerator="cpu").fit(ckpt_path=...)` in a process
+    without the stand-in (weights, optimizer state, loops; the train loader's position stashed as in every one-file
+    checkpoint), which finds the run complete and holds its weights. (Mid-epoch, a CPU run's plain DataLoader starts
+    its epoch over, so only this resume can be compared with the sharded run.)"""
+    uninterrupted, checkpoint = fsdp_neuron
+    write_consolidated(checkpoint.parent / "final.ckpt", tmp_path / "final.ckpt")
+    out = tmp_path / "cpu"
+    out.mkdir()
+    env = {k: v for k, v in child_env().items() if not k.startswith("LIGHTNING_TRN_STANDIN")}
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--accelerator", "cpu", "--single",
+               "--resume", str(tmp_path / "final.ckpt")]
+    result = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "run.json").read_text())["losses"] == []  # nothing left to train
+    _assert_same_weights({"weights": torch.load(out / "weights.pt")}, uninterrupted)
+
+
 def test_consolidation_reads_one_tensor_at_a_time(
     tmp_path: Path, fsdp_neuron: tuple[dict, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
