@@ -8,7 +8,7 @@ shares with Fabric's strategy (process groups, collectives, gradient reduction) 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -16,18 +16,16 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from torch import Tensor
-from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_trn.core.data_parallel import DataParallelCore
 from lightning_trn.core.strategy import CheckpointingPolicy
-from lightning_trn.pytorch.strategies.host_signals import install_host_sigterm_sync
 from lightning_trn.pytorch.strategies.mixin import NeuronStrategyMixin
+from lightning_trn.pytorch.strategies.process_group import ProcessGroupStrategyMixin
 
 
-class NeuronDDPStrategy(DataParallelCore, NeuronStrategyMixin, ParallelStrategy):
+class NeuronDDPStrategy(DataParallelCore, ProcessGroupStrategyMixin, NeuronStrategyMixin, ParallelStrategy):
     """What `Trainer(accelerator="neuron", devices=N, num_nodes=M)` picks for N*M > 1 processes.
 
     Args:
@@ -79,19 +77,4 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyMixin, ParallelStrategy)
         self._broadcast_module_states(self.model)
         for optimizer in self.optimizers:
             self._shard_optimizer(optimizer)
-        self._route_metric_syncs(self.lightning_module)
-        install_host_sigterm_sync(trainer, self._host_group)
-
-    @override
-    def reduce(
-        self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
-    ) -> Union[Tensor, Any]:
-        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min; non-tensors are returned unchanged."""
-        return self.all_reduce(tensor, group, reduce_op)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._explain_failure(exception)
+        self._after_setup(trainer)

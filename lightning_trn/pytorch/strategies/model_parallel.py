@@ -8,21 +8,21 @@ A LightningModule written for it on GPUs (`configure_model` with `fully_shard` /
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import Tensor
-from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_trn.core.model_parallel import ModelParallelCore, materialize
-from lightning_trn.pytorch.strategies.host_signals import install_host_sigterm_sync
 from lightning_trn.pytorch.strategies.mixin import NeuronStrategyMixin
+from lightning_trn.pytorch.strategies.process_group import ProcessGroupStrategyMixin
 
 
-class NeuronModelParallelStrategy(ModelParallelCore, NeuronStrategyMixin, ModelParallelStrategy):
+class NeuronModelParallelStrategy(
+    ModelParallelCore, ProcessGroupStrategyMixin, NeuronStrategyMixin, ModelParallelStrategy
+):
     """FSDP2 and tensor parallelism over NeuronCores (native backend), one process per NeuronCore.
 
     Args:
@@ -58,19 +58,4 @@ class NeuronModelParallelStrategy(ModelParallelCore, NeuronStrategyMixin, ModelP
         assert self.model is not None
         materialize(self.model, self.root_device)
         super().setup(trainer)
-        self._route_metric_syncs(self.lightning_module)
-        install_host_sigterm_sync(trainer, self._host_group)
-
-    @override
-    def reduce(
-        self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
-    ) -> Union[Tensor, Any]:
-        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min; non-tensors are returned unchanged."""
-        return self.all_reduce(tensor, group, reduce_op)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._explain_failure(exception)
+        self._after_setup(trainer)
