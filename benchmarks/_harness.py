@@ -58,14 +58,6 @@ class Workload:
     def recipe(self) -> Recipe:
         return importlib.import_module(f"recipes.{self.name}").RECIPE
 
-    def available(self) -> bool:
-        """Whether the recipe's packages are installed (the native environment has no timm: no `vit`)."""
-        try:
-            self.recipe
-        except ImportError:
-            return False
-        return True
-
 
 #: warm-up covers the first epoch end (MNIST-5k: 110 batches of 32) so every graph variant has compiled before timing;
 #: BERT logs every 10 steps so that its ~20 timed steps include logging steps
@@ -82,7 +74,7 @@ WORKLOADS: dict[str, Workload] = {
 def add_workload_args(parser: argparse.ArgumentParser, repeats: Optional[int] = None) -> None:
     """`--workloads`, `--steps`, `--warmup` (and `--repeats` when `repeats` is given as its default)."""
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None,
-                        help="recipes to run (default: all whose packages are installed)")
+                        help="recipes to run (default: all)")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per run (default per workload: "
                              + ", ".join(f"{w.name} {w.steps}" for w in WORKLOADS.values()) + ")")
@@ -95,9 +87,7 @@ def add_workload_args(parser: argparse.ArgumentParser, repeats: Optional[int] = 
 
 def selected_workloads(args: argparse.Namespace) -> list[Workload]:
     """The workloads named on the command line with `--steps` / `--warmup` applied."""
-    chosen = [WORKLOADS[name] for name in args.workloads] if args.workloads else [
-        w for w in WORKLOADS.values() if w.available()
-    ]
+    chosen = [WORKLOADS[name] for name in args.workloads] if args.workloads else list(WORKLOADS.values())
     return [
         replace(w, steps=args.steps if args.steps is not None else w.steps,
                 warmup=args.warmup if args.warmup is not None else w.warmup)

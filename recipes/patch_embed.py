@@ -8,43 +8,35 @@ converts to the standard conv-based timm ViT with a reshape (`to_conv_state_dict
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from timm.layers import PatchEmbed
 from torch import nn
 
 #: state-dict key of the patch projection weight in timm's VisionTransformer
 PATCH_WEIGHT = "patch_embed.proj.weight"
 
 
-class LinearPatchEmbed(PatchEmbed):
-    """Drop-in for `timm.layers.PatchEmbed` (pass as `VisionTransformer(embed_layer=LinearPatchEmbed)`).
+class LinearPatchEmbed(nn.Module):
+    """timm's `PatchEmbed` (same arguments and state-dict keys) for fixed-size images and a flattened
+    `(B, patches, D)` output: static shapes."""
 
-    Only fixed-size images and the default flattened `(B, patches, D)` output are supported: static shapes.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if not self.flatten or self.dynamic_img_pad or not self.strict_img_size:
-            raise ValueError("LinearPatchEmbed supports fixed image sizes with flattened output only.")
-        conv = self.proj
-        self.proj = nn.Linear(
-            conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1],
-            conv.out_channels,
-            bias=conv.bias is not None,
-            device=conv.weight.device,
-            dtype=conv.weight.dtype,
-        )
+    def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, embed_dim: int = 768) -> None:
+        super().__init__()
+        self.img_size = (img_size, img_size)
+        self.patch_size = (patch_size, patch_size)
+        if img_size % patch_size:
+            raise ValueError(f"img_size {img_size} is not a multiple of patch_size {patch_size}.")
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Linear(in_chans * patch_size * patch_size, embed_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, channels, height, width = x.shape
-        if (height, width) != tuple(self.img_size):
+        if (height, width) != self.img_size:
             raise ValueError(f"Input size {(height, width)} does not match the model's img_size {self.img_size}.")
         (grid_h, grid_w), (patch_h, patch_w) = self.grid_size, self.patch_size
         patches = x.reshape(batch, channels, grid_h, patch_h, grid_w, patch_w)
         patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(batch, grid_h * grid_w, channels * patch_h * patch_w)
-        return self.norm(self.proj(patches))
+        return self.proj(patches)
 
 
 def to_conv_state_dict(

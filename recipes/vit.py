@@ -1,4 +1,5 @@
-"""ViT recipe: a timm VisionTransformer with a linear patch embedding, trained from scratch on MNIST.
+"""ViT recipe: a Vision Transformer with timm's weights layout and a linear patch embedding, trained from scratch
+on MNIST.
 
 `python -m recipes.vit --help`; `python -m recipes.vit export ckpt=... out=...` writes the conv-based timm form.
 """
@@ -12,20 +13,20 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
-from timm.models.vision_transformer import VisionTransformer
 
 from recipes.classifier import Batch, ClassifierModule
 from recipes.cli import main
 from recipes.common import Recipe
 from recipes.mnist import mnist_datamodule
-from recipes.patch_embed import LinearPatchEmbed, to_conv_state_dict
+from recipes.patch_embed import to_conv_state_dict
+from recipes.vision_transformer import VisionTransformer
 
 #: the module's hyperparameters that are VisionTransformer arguments (the rest configure the optimizer)
 ARCHITECTURE = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio")
 
 
 class MnistViT(ClassifierModule):
-    """`timm.models.vision_transformer.VisionTransformer(embed_layer=LinearPatchEmbed, ...)` trained with AdamW."""
+    """`recipes.vision_transformer.VisionTransformer` (timm's ViT with `LinearPatchEmbed`) trained with AdamW."""
 
     def __init__(
         self,
@@ -42,7 +43,7 @@ class MnistViT(ClassifierModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = VisionTransformer(**self.architecture(), embed_layer=LinearPatchEmbed)
+        self.net = VisionTransformer(**self.architecture())
 
     def architecture(self) -> dict[str, Any]:
         """Keyword arguments that rebuild the same network as a standard (conv patch embedding) timm ViT."""

@@ -40,6 +40,9 @@ def test_patch_weight_conversion_round_trips():
 def test_recipe_vit_loads_into_standard_timm_vit_with_same_logits():
     torch.manual_seed(0)
     module = MnistViT(embed_dim=16, depth=2, num_heads=2).eval()
+    with torch.no_grad():  # every parameter distinct (fresh LayerNorms are all alike)
+        for parameter in module.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
     reference = VisionTransformer(**module.architecture()).eval()  # conv patch embedding
     reference.load_state_dict(to_conv_state_dict(module.net.state_dict(), 1, 7))
     x = torch.randn(4, 784)
