@@ -1,9 +1,10 @@
 """What the memory tools save and cost, on the backend this runs on: ZeRO-1 against plain data parallel (2
-processes), activation checkpointing against none (1 process), and natively FSDP2 (`strategy="fsdp"`, each block a
-unit) against plain data parallel (2 processes).
+processes), activation checkpointing against none (1 process), natively FSDP2 (`strategy="fsdp"`, each block a
+unit) against plain data parallel (2 processes), and bf16-true's stochastic rounding against round-to-nearest (1
+process; in software everywhere but the XLA stack's NeuronCores, TorchNeuron included).
 
     python -m benchmarks.memory [--width 1024] [--depth 4] [--batch 128] [--steps 20] [--warmup 3]
-                                [--pairs zero1,zero1-bf16,checkpointing,fsdp]
+                                [--pairs zero1,zero1-bf16,checkpointing,fsdp,rounding]
 
 A stack of `depth` blocks (two Linear(width, width), each followed by GELU) trained with AdamW through
 `Trainer(accelerator="neuron")`. Printed per pair, each with its ratio against the baseline run beside it: the
@@ -136,7 +137,8 @@ def worker(args: argparse.Namespace) -> None:
     pl.seed_everything(0)
     data = TensorDataset(torch.randn(args.batch * args.devices * (args.steps + args.warmup), args.width))
     clock, activations = _Clock(args.warmup), _ActivationPeak(args.warmup)
-    precision = NeuronPrecision(args.precision, master_weights=args.master_weights)
+    precision = NeuronPrecision(args.precision, master_weights=args.master_weights,
+                                stochastic_rounding=not args.round_to_nearest)
     strategy = NeuronFSDPStrategy(auto_wrap_policy={torch.nn.Sequential}) if args.strategy == "fsdp" else args.strategy
     trainer = pl.Trainer(
         accelerator="neuron", devices=args.devices, strategy=strategy, plugins=[precision],
@@ -191,6 +193,9 @@ PAIRS = {
                    (*_ZERO1, *_BF16)),
     "checkpointing": ("activation checkpointing vs none, 1 process", (), ("--checkpointed",)),
     "fsdp": ("FSDP2 vs DDP, fp32, 2 processes (native)", _DDP, ("--devices", "2", "--strategy", "fsdp")),
+    # off the XLA stack's NeuronCores (TorchNeuron included) bf16-true rounds in software: what that costs
+    "rounding": ("bf16-true stochastic rounding vs round-to-nearest, 1 process", (*_BF16, "--round-to-nearest"),
+                 _BF16),
 }
 #: pairs that need a backend that shards models (`DeviceRuntime.shards_models`)
 _SHARDED_PAIRS = ("fsdp",)
@@ -212,6 +217,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--checkpointed", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="32-true", help=argparse.SUPPRESS)
     parser.add_argument("--master-weights", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--round-to-nearest", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)

@@ -68,10 +68,11 @@ class DataParallelCore(ProcessGroupCore):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def setup_environment(self) -> None:
-        """Claim this process's NeuronCore before the device is first touched, then join the process group."""
+        """Claim this process's NeuronCore, join the process group, then set the device up: TorchNeuron refuses a
+        `neuron` process group once a device tensor exists (the accelerator's setup runs a probe on it)."""
         self._claim_device()
-        super().setup_environment()  # type: ignore[misc]
         self._setup_distributed()
+        super().setup_environment()  # type: ignore[misc]
 
     def _broadcast_module_states(self, model: Module) -> None:
         """Start every rank from rank 0's parameters and buffers, whatever each process's seed."""

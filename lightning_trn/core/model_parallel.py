@@ -139,6 +139,9 @@ class ModelParallelCore(ProcessGroupCore):
             )
 
     def setup_environment(self) -> None:
-        """Claim this process's NeuronCore, then Lightning's setup: the process group (ours) and the device mesh."""
+        """Claim this process's NeuronCore and join the process group before Lightning's setup (the device, then the
+        process group again, already joined, and the mesh): TorchNeuron refuses a `neuron` process group once a
+        device tensor exists, and the accelerator's setup runs a probe on the device."""
         self._claim_device()
+        self._setup_distributed()
         super().setup_environment()  # type: ignore[misc]

@@ -68,8 +68,9 @@ class NeuronPrecisionCore:
             optimizer state in bf16, updates rounded stochastically).
         master_weights: bf16-true only: keep fp32 copies of the parameters that the optimizer updates (its state is
             then fp32 too); the bf16 parameters are refreshed from them after every step.
-        stochastic_rounding: bf16-true only: round bf16 updates stochastically (on Neuron through
-            `NEURON_RT_STOCHASTIC_ROUNDING_EN=1`, elsewhere in software). Turn off for round-to-nearest.
+        stochastic_rounding: bf16-true only: round bf16 updates stochastically (on the XLA stack's NeuronCores
+            through `NEURON_RT_STOCHASTIC_ROUNDING_EN=1`, elsewhere, TorchNeuron included, in software). Turn off
+            for round-to-nearest.
         seed: seed of the Neuron runtime's rounding (`NEURON_RT_STOCHASTIC_ROUNDING_SEED`); defaults to the seed of
             `seed_everything` if one was set, else 0.
     """
@@ -95,12 +96,13 @@ class NeuronPrecisionCore:
         self.stochastic_rounding = stochastic_rounding and precision == "bf16-true"
         self.seed = seed
         self._on_neuron = get_runtime().on_neuron()
+        # where the Neuron runtime rounds it does (or not, if the user set NEURON_RT_STOCHASTIC_ROUNDING_EN=0: the
+        # user wins); elsewhere, TorchNeuron included, the optimizer step rounds in software
+        self._software_rounding = self.stochastic_rounding and not get_runtime().hardware_stochastic_rounding()
         self._environment = EnvironmentPatch()
         self._environment_applied = False
         self._configure_environment()
-        # on Neuron the runtime rounds (or not, if the user set NEURON_RT_STOCHASTIC_ROUNDING_EN=0: the user wins)
-        software_rounding = self.stochastic_rounding and not self._on_neuron
-        self._bf16_step = Bf16OptimizerStep(master_weights) if master_weights or software_rounding else None
+        self._bf16_step = Bf16OptimizerStep(master_weights) if master_weights or self._software_rounding else None
         #: the parameters as the optimizers hold them (Lightning's teardown moves the model to the CPU as new objects)
         self._named_parameters: list[tuple[str, Tensor]] = []
 
@@ -126,15 +128,15 @@ class NeuronPrecisionCore:
         if not self._on_neuron:
             return
         self._disable_compiler_auto_cast()
-        if self.stochastic_rounding:
+        if self.stochastic_rounding and not self._software_rounding:
             self._set_default(STOCHASTIC_ROUNDING_EN, "1")
             seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
             self._environment.set_default(STOCHASTIC_ROUNDING_SEED, str(seed))
 
     def round_parameter(self, value: Tensor, dtype: torch.dtype) -> Tensor:
         """An fp32 master value (a ZeRO-1 chunk) cast to its parameter's `dtype`: bf16 is rounded stochastically where
-        bf16-true rounds in software (on Neuron the runtime rounds the cast), to nearest with `master_weights=True`."""
-        if dtype == torch.bfloat16 and self.stochastic_rounding and not self._on_neuron and not self.master_weights:
+        bf16-true rounds in software (where the runtime rounds, it rounds the cast), to nearest with `master_weights`."""
+        if dtype == torch.bfloat16 and self._software_rounding and not self.master_weights:
             return stochastic_round_to_bf16(value)
         return value.to(dtype)
 

@@ -128,7 +128,9 @@ class ProcessGroupCore:
         )
 
     def _setup_distributed(self) -> None:
-        """Join the default process group (the runtime's backend) and make the host group beside it."""
+        """Join the default process group (the runtime's backend) and make the host group beside it (once)."""
+        if self._collectives is not None:
+            return
         reset_seed()
         runtime = self.runtime
         cross_process = runtime.supports_cross_process_collectives()

@@ -93,6 +93,9 @@ class DeviceRuntime(ABC):
     has_compile_cache: bool = False
     #: whether models can be sharded with torch's DTensor, FSDP2 and tensor parallelism on this backend's devices
     shards_models: bool = False
+    #: whether the Neuron runtime under this backend rounds bf16 results stochastically when
+    #: `NEURON_RT_STOCHASTIC_ROUNDING_EN=1` (documented for the XLA stack; TorchNeuron's docs and source name no switch)
+    runtime_rounds_bf16: bool = False
 
     @abstractmethod
     def is_installed(self) -> bool:
@@ -108,6 +111,10 @@ class DeviceRuntime(ABC):
             return self.detect_platform().kind == NEURON
         except NeuronUnavailableError:
             return False
+
+    def hardware_stochastic_rounding(self) -> bool:
+        """Whether bf16 results are rounded stochastically by the device here (else `bf16-true` rounds in software)."""
+        return self.runtime_rounds_bf16 and self.on_neuron()
 
     def chip(self) -> Optional[str]:
         """The Trainium generation of this host's NeuronCores ("trn1", "trn2", "trn3"); None off Neuron."""

@@ -27,6 +27,18 @@ def _standin() -> Optional[ModuleType]:
     return module if module is not None and module.is_loaded() else None
 
 
+def _torchneuron_fallbacks() -> dict[str, int]:
+    """The ops TorchNeuron ran on the host since the process started (or its `clear_op_tracking()`), each counted
+    once: `torch_neuronx.get_fallback_ops()` lists names (`aten::add.Tensor`), not calls. Ops still queued on the
+    device are not listed yet. Empty where TorchNeuron is not installed."""
+    try:
+        import torch_neuronx
+    except ImportError:
+        return {}
+    get_fallback_ops = getattr(torch_neuronx, "get_fallback_ops", None)
+    return {str(name): 1 for name in get_fallback_ops()} if get_fallback_ops is not None else {}
+
+
 class NativeRuntime(DeviceRuntime):
     """All calls into the native `neuron` device go through here."""
 
@@ -85,12 +97,13 @@ class NativeRuntime(DeviceRuntime):
 
     def metrics(self) -> RuntimeMetrics:
         """Graphs `torch.compile` built (Dynamo's count, any backend); device reads, host syncs and CPU-fallback ops
-        as the stand-in counts them (TorchNeuron offers no such counters: zeros there)."""
+        as the stand-in counts them. TorchNeuron counts no transfers (zeros there) and lists its fallback ops by
+        name: each one seen counts once, so a phase's difference shows the ops that first fell back in it."""
         dynamo = sys.modules.get("torch._dynamo.utils")  # never imported from here: only if torch.compile ran
         compiles = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
         standin = _standin()
         if standin is None:
-            return RuntimeMetrics(compiles=compiles)
+            return RuntimeMetrics(compiles=compiles, cpu_fallbacks=_torchneuron_fallbacks())
         counts = standin.counters()
         return RuntimeMetrics(
             compiles=compiles, device_to_host=counts["device_to_host"], host_to_device=counts["host_to_device"],

@@ -102,6 +102,7 @@ class XlaRuntime(DeviceRuntime):
     device_type = "xla"
     cpu_platform = "XLA:CPU"
     has_compile_cache = True
+    runtime_rounds_bf16 = True
 
     def __init__(self) -> None:
         self._platform: Optional[Platform] = None

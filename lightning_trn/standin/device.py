@@ -42,7 +42,8 @@ def _lazy_init() -> None:
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    """Whether this process was forked after the parent used the device: then it may not (use 'spawn')."""
+    return _ext.in_bad_fork()
 
 
 def device_count() -> int:

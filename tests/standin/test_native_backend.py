@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +105,45 @@ def test_bf16_true_trains_bf16_weights_with_software_stochastic_rounding(tmp_pat
     assert not torch.equal(model.layer.weight.detach().cpu(), before)
 
 
+def test_metrics_report_torchneuron_fallback_ops_by_name(monkeypatch) -> None:
+    """On a trn2 the CPU-fallback ops come from `torch_neuronx.get_fallback_ops()` (a list of names, cumulative):
+    faked here at that boundary, with the stand-in out of the way."""
+    import types
+
+    from lightning_trn.runtime import native
+
+    seen: list[str] = []
+    fake = types.ModuleType("torch_neuronx")
+    fake.get_fallback_ops = lambda: list(seen)
+    monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
+    monkeypatch.setattr(native, "_standin", lambda: None)
+    runtime = native.NativeRuntime()
+    before = runtime.metrics()
+    seen.extend(["aten::nonzero", "aten::median.dim_values"])
+    middle = runtime.metrics()
+    seen.append("aten::unique_dim")
+    assert (middle - before).cpu_fallbacks == {"aten::nonzero": 1, "aten::median.dim_values": 1}
+    assert (runtime.metrics() - middle).cpu_fallbacks == {"aten::unique_dim": 1}  # only the op new in this window
+    assert middle.device_to_host == 0  # TorchNeuron counts no transfers
+
+
+def test_bf16_true_on_trainium_rounds_in_software_natively(monkeypatch) -> None:
+    """TorchNeuron documents no stochastic-rounding switch (NEURON_RT_STOCHASTIC_ROUNDING_EN is the XLA stack's), so
+    on NeuronCores (faked at the runtime boundary) the native backend rounds in software and sets no variable."""
+    from lightning_trn.pytorch.precision import NeuronPrecision
+    from lightning_trn.runtime import Platform
+    from lightning_trn.runtime.discovery import NEURON
+
+    monkeypatch.delenv("NEURON_RT_STOCHASTIC_ROUNDING_EN", raising=False)
+    monkeypatch.setattr(get_runtime(), "detect_platform", lambda: Platform(NEURON, 2, "faked by the test"))
+    plugin = NeuronPrecision("bf16-true")
+    try:
+        assert plugin.software_optimizer_step is not None
+        assert "NEURON_RT_STOCHASTIC_ROUNDING_EN" not in os.environ
+    finally:
+        plugin.teardown()
+
+
 @pytest.mark.slow
 def test_mlp_recipe_reaches_0_9_and_its_checkpoint_loads_without_the_stand_in(tmp_path) -> None:
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
@@ -122,6 +162,48 @@ def test_mlp_recipe_reaches_0_9_and_its_checkpoint_loads_without_the_stand_in(tm
     )
     loaded = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "['cpu']"
+
+
+@pytest.mark.slow
+def test_vit_recipe_runs_natively_and_its_export_loads_without_the_stand_in(tmp_path) -> None:
+    """The ViT recipe (no timm: its model is plain PyTorch with timm's weights layout) trains on the stand-in, and
+    the exported conv-form weights give the checkpoint's logits in a process without it."""
+    env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
+    overrides = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "trainer.max_epochs=1",
+                 "trainer.limit_train_batches=40", "trainer.limit_val_batches=2", "trainer.limit_test_batches=8",
+                 "trainer.enable_progress_bar=false"]
+    run = subprocess.run([sys.executable, "-m", "recipes.vit", *overrides], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "lightning_trn: native backend" in run.stderr
+    assert float(re.search(r"test_acc=([0-9.]+)", run.stdout).group(1)) > 0.2  # chance is 0.1
+    checkpoint = tmp_path / "runs" / "vit" / "checkpoints" / "last.ckpt"
+    export = subprocess.run([sys.executable, "-m", "recipes.vit", "export", f"ckpt={checkpoint}",
+                             f"out={tmp_path / 'export'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert export.returncode == 0, export.stderr[-2000:]
+    code = (
+        "import json, sys, torch\n"
+        "from pathlib import Path\n"
+        "from safetensors.torch import load_file\n"
+        "from recipes import common\n"
+        "from recipes.patch_embed import to_linear_state_dict\n"
+        "from recipes.vision_transformer import VisionTransformer\n"
+        "from recipes.vit import RECIPE\n"
+        "assert torch._C._get_privateuse1_backend_name() == 'privateuseone'  # no stand-in here\n"
+        "out = Path(sys.argv[2])\n"
+        "net = VisionTransformer(**json.loads((out / 'config.json').read_text())).eval()\n"
+        "net.load_state_dict(to_linear_state_dict(load_file(out / 'model.safetensors')))\n"
+        "module = common.load_module(RECIPE, sys.argv[1]).eval()\n"
+        "x = torch.randn(4, 784)\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(net(x.reshape(4, 1, 28, 28)), module.logits({'x': x}))\n"
+        "print('EXPORT OK')\n"
+    )
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_TRN_STANDIN")}
+    loaded = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(tmp_path / "export")],
+                            cwd=Path(__file__).parents[2], env=plain, capture_output=True, text=True, timeout=120)
+    assert "EXPORT OK" in loaded.stdout, loaded.stderr[-2000:]
 
 
 def test_each_local_rank_takes_its_own_device_and_too_many_ranks_are_refused() -> None:

@@ -2,8 +2,9 @@
 // DTensor and FSDP2 (which dispatch collectives from C++) all reach it.
 //
 // It runs each collective with a gloo backend (created in Python: torch ships no gloo headers) on zero-copy CPU
-// aliases of the device tensors, waits for it, and returns a completed Work whose results are the device tensors;
-// point-to-point ops return pending work instead (a send completes when its peer receives).
+// aliases of the device tensors, waits for it, and returns a completed Work whose results are the device tensors.
+// What TorchNeuron's backend lacks is refused as there (its source snapshot, torch_neuronx/distributed/backend.py):
+// point-to-point ops, and barriers on groups smaller than the world.
 // No data is copied between device and host: as on a real device, collectives do not read the device from the host.
 #include "standin.h"
 
@@ -56,29 +57,6 @@ c10::intrusive_ptr<c10d::Work> done(const c10::intrusive_ptr<c10d::Work>& work, 
   return c10::make_intrusive<DoneWork>(std::move(outputs), type);
 }
 
-// A point-to-point op in flight (a send completes only when its peer receives): waits on gloo's work, keeping
-// the device tensors whose memory it reads or writes alive until then.
-class PendingWork final : public c10d::Work {
- public:
-  PendingWork(c10::intrusive_ptr<c10d::Work> inner, Tensors tensors, OpType type)
-      : c10d::Work(-1, type), inner_(std::move(inner)), tensors_(std::move(tensors)) {}
-  bool isCompleted() override { return inner_->isCompleted(); }
-  bool isSuccess() const override { return inner_->isSuccess(); }
-  std::exception_ptr exception() const override { return inner_->exception(); }
-  int sourceRank() const override { return inner_->sourceRank(); }
-  bool wait(std::chrono::milliseconds timeout) override { return inner_->wait(timeout); }
-  void abort() override { inner_->abort(); }
-  Tensors result() override { return tensors_; }
-
- private:
-  c10::intrusive_ptr<c10d::Work> inner_;
-  Tensors tensors_;
-};
-
-c10::intrusive_ptr<c10d::Work> pending(c10::intrusive_ptr<c10d::Work> work, Tensors tensors, OpType type) {
-  return c10::make_intrusive<PendingWork>(std::move(work), std::move(tensors), type);
-}
-
 Tensors flat(const TensorLists& lists) {
   Tensors out;
   for (const auto& list : lists) out.insert(out.end(), list.begin(), list.end());
@@ -110,8 +88,8 @@ c10::intrusive_ptr<c10d::Work> reduce_with(const Options& opts, Run run, Tensors
 
 class NeuronBackend final : public c10d::Backend {
  public:
-  explicit NeuronBackend(c10::intrusive_ptr<c10d::Backend> gloo)
-      : c10d::Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)) {}
+  NeuronBackend(c10::intrusive_ptr<c10d::Backend> gloo, int world_size)
+      : c10d::Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)), world_size_(world_size) {}
 
   const std::string getBackendName() const override { return "neuron"; }
 
@@ -219,27 +197,25 @@ class NeuronBackend final : public c10d::Backend {
     return done(gloo_->alltoall(host_out, host_in, opts), outputs, OpType::ALLTOALL);
   }
 
-  c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
-    auto host = aliases(tensors);
-    return pending(gloo_->send(host, dst, tag), tensors, OpType::SEND);
-  }
-
-  c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
-    auto host = aliases(tensors);
-    return pending(gloo_->recv(host, src, tag), tensors, OpType::RECV);
-  }
-
-  c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& tensors, int tag) override {
-    auto host = aliases(tensors);
-    return pending(gloo_->recvAnysource(host, tag), tensors, OpType::RECVANYSOURCE);
-  }
+  c10::intrusive_ptr<c10d::Work> send(Tensors&, int, int) override { point_to_point("send"); }
+  c10::intrusive_ptr<c10d::Work> recv(Tensors&, int, int) override { point_to_point("recv"); }
+  c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors&, int) override { point_to_point("recv"); }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    TORCH_CHECK_NOT_IMPLEMENTED(getSize() == world_size_, "Barrier is implemented only for default group, called "
+                                "barrier on a group of ", getSize(), " of ", world_size_, " ranks (neuron stand-in, "
+                                "as TorchNeuron's backend)");
     return done(gloo_->barrier(opts), {}, OpType::BARRIER);
   }
 
  private:
+  [[noreturn]] static void point_to_point(const char* op) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "torch.distributed ", op, " is not supported by the neuron backend (neuron "
+                                "stand-in, as TorchNeuron's backend: it has no point-to-point ops)");
+  }
+
   c10::intrusive_ptr<c10d::Backend> gloo_;
+  int world_size_;
 };
 
 }  // namespace
@@ -247,10 +223,10 @@ class NeuronBackend final : public c10d::Backend {
 void bind_distributed(pybind11::module& m) {
   m.def(
       "neuron_backend",
-      [](const c10::intrusive_ptr<c10d::Backend>& gloo) -> c10::intrusive_ptr<c10d::Backend> {
-        return c10::make_intrusive<NeuronBackend>(gloo);
+      [](const c10::intrusive_ptr<c10d::Backend>& gloo, int world_size) -> c10::intrusive_ptr<c10d::Backend> {
+        return c10::make_intrusive<NeuronBackend>(gloo, world_size);
       },
-      "The `neuron` process-group backend over a gloo backend of the same group.");
+      "The `neuron` process-group backend over a gloo backend of the same group, in a job of `world_size` ranks.");
 }
 
 }  // namespace standin

@@ -25,6 +25,8 @@
 
 #include "standin.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -110,11 +112,29 @@ const Entry* block_holding(const std::map<const void*, Entry>& blocks, const voi
                                                                                                  : nullptr;
 }
 
+// The Neuron runtime starts with the first device tensor (TorchNeuron: `empty_strided_neuron` -> `neuron_init`), not
+// with device_count(), set_device() or seeding. `init_process_group("neuron")` asserts it has not started yet, and a
+// process forked after it started may not use the device (TorchNeuron means to refuse that as CUDA does).
+std::atomic<bool> g_runtime_initialized{false};
+std::atomic<bool> g_in_bad_fork{false};
+
+void mark_bad_fork() {
+  if (g_runtime_initialized.load()) g_in_bad_fork = true;
+}
+
+void start_runtime() {
+  TORCH_CHECK(!g_in_bad_fork.load(),
+              "Cannot re-initialize Neuron runtime in forked subprocess. To use Neuron with multiprocessing, use the "
+              "'spawn' start method (neuron stand-in, as TorchNeuron and CUDA)");
+  g_runtime_initialized = true;
+}
+
 class HostMemoryAllocator final : public c10::DeviceAllocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     const DeviceIndex device = t_current_device;
     check_index(device);
+    start_runtime();
     void* data = nullptr;
     if (nbytes > 0) {
       data = allocate_host(nbytes, "allocating");
@@ -633,6 +653,7 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
 void register_hooks() {
   static Hooks* hooks = new Hooks();  // lives for the process, as PyTorch expects
   at::RegisterPrivateUse1HooksInterface(hooks);
+  pthread_atfork(nullptr, nullptr, &mark_bad_fork);
 }
 
 }  // namespace standin
@@ -672,7 +693,18 @@ namespace at::autocast {  // the op-list macros name ATen types unqualified
 
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
 
+// Refused under autocast, as on CUDA and TorchNeuron (its autocast registers the same ban and message).
+Tensor binary_cross_entropy_banned(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t) {
+  TORCH_CHECK(false,
+              "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+              "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+              "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+              "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+              "safe to autocast.");
+}
+
 TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  m.impl("binary_cross_entropy", TORCH_FN(binary_cross_entropy_banned));
   AT_FORALL_LOWER_PRECISION_FP(STANDIN_LOWER_PRECISION_FP)
   AT_FORALL_FP32(STANDIN_FP32)
   AT_FORALL_FP32_SET_OPT_DTYPE(STANDIN_FP32_SET_OPT_DTYPE)
@@ -699,5 +731,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_counters", &standin::reset_counters);
   m.def("synchronize", &standin::on_host_sync, "Wait for the device (the stand-in never runs behind): a host sync.");
   m.def("set_strict", [](bool on) { return standin::g_strict.exchange(on); });
+  m.def("runtime_initialized", [] { return standin::g_runtime_initialized.load(); },
+        "Whether a device tensor was ever allocated in this process (TorchNeuron's runtime starts then).");
+  m.def("in_bad_fork", [] { return standin::g_in_bad_fork.load(); });
   standin::bind_distributed(m);
 }

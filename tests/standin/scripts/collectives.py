@@ -3,6 +3,7 @@ collectives, DTensor and FSDP2, each against the value a single process computes
 each check's result, or the error its section raised (a 30 s group timeout turns a hang into an error)."""
 
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -92,20 +93,23 @@ def other_collectives() -> None:
     dist.barrier()
 
 
-@section("send_recv", "exchange")
-def point_to_point() -> None:
-    if rank == 0:
-        dist.send(on_device([9.0]), dst=1)
-    else:
-        buf = torch.zeros(1, device="neuron")
-        dist.recv(buf, src=0)
-        check("send_recv", buf, torch.tensor([9.0]))
-    # Both ranks send first: only works if a send does not wait for its peer to receive.
-    sending = dist.isend(on_device([float(rank)]), dst=peer)
-    buf = torch.zeros(1, device="neuron")
-    dist.recv(buf, src=peer)
-    sending.wait()
-    check("exchange", buf, torch.tensor([float(peer)]))
+@section("no_point_to_point", "barrier_default_group_only", "no_monitored_barrier", "visible_cores_from_local_rank")
+def what_torchneuron_lacks() -> None:  # refused as TorchNeuron's backend refuses it
+    def refused(call: Callable[[], object], error: type, match: str) -> bool:
+        try:
+            call()
+        except error as err:
+            return match in str(err)
+        return False
+
+    results["no_point_to_point"] = refused(lambda: dist.send(on_device([9.0]), dst=peer), NotImplementedError,
+                                           "send is not supported") and refused(
+        lambda: dist.irecv(torch.zeros(1, device="neuron"), src=peer), NotImplementedError, "recv is not supported")
+    subgroups = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group
+    results["barrier_default_group_only"] = refused(
+        lambda: dist.barrier(group=subgroups[rank]), NotImplementedError, "only for default group")
+    results["no_monitored_barrier"] = refused(lambda: dist.monitored_barrier(), ValueError, "GLOO")
+    results["visible_cores_from_local_rank"] = os.environ["NEURON_RT_VISIBLE_CORES"] == os.environ["LOCAL_RANK"]
 
 
 @section("ddp_equals_single_process")
