@@ -1,22 +1,27 @@
 // CPU stand-in for TorchNeuron's native `neuron` device (PyTorch PrivateUse1, renamed to "neuron" from Python).
 //
 // Device memory is host memory. A handful of kernels are native to the device (creation, views, copies, scalar
-// reads, dropout); every other op runs on the CPU through a boxed fallback that first checks that the op does not
-// mix devices, as a real accelerator would refuse to (ops whose schema hides what they do go through a twin op that
-// says it: `twin_of`). Counters record device->host copies, scalar reads and the ops
+// reads, dropout, the fused RNN cells PyTorch asks a PrivateUse1 device for); every other op runs its CPU kernel
+// through a boxed fallback that first checks that the op does not mix devices, as a real accelerator would refuse
+// to, then hands the kernel zero-copy CPU aliases of the device tensors, so what it writes, views and resizes is
+// the device's (`HostCall`; `*_overrideable` convolutions, which have no CPU kernel, go through a twin op:
+// `twin_of`). Counters record device->host copies, scalar reads and the ops
 // the fallback served, by name, and host syncs: the waits for the device that an asynchronous device would have
 // (blocking copies to the host, scalar reads, synchronize calls; a `non_blocking` copy into pinned memory is a
-// transfer but no wait). Ops named in set_host_ops() act as the real device's CPU-fallback ops (their copies count
-// as transfers); strict mode raises on any device->host read. Written against PyTorch 2.13.
+// transfer but no wait). Ops named in set_host_ops() act as the real device's CPU-fallback ops (their arguments and
+// results count as transfers); strict mode raises on any device->host read. Written against PyTorch 2.13.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
-#include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/TensorFactories.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/ops/_fused_sdp_choice_native.h>
 #include <ATen/ops/as_strided_cpu_dispatch.h>
 #include <ATen/ops/set_cpu_dispatch.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/utils/pybind.h>
@@ -69,12 +74,7 @@ std::map<std::string, int64_t> g_fallback_counts;
 // their copies are counted as transfers, and each call is counted here by full name.
 std::set<std::string> g_host_ops;
 std::map<std::string, int64_t> g_host_op_counts;
-// True while the CPU fallback moves an op's arguments and results: those copies are the stand-in's own
-// plumbing (a real device runs the op where the data is), so they are neither counted nor refused.
-thread_local bool t_in_fallback = false;
-
 void on_device_read(const char* what, const at::Tensor& tensor, std::atomic<int64_t>& counter) {
-  if (t_in_fallback) return;
   TORCH_CHECK(
       !g_strict.load(), "lightning_trn.standin strict mode: a device->host read (", what, " of a ",
       tensor.sizes(), " ", tensor.scalar_type(), " tensor on ", tensor.device(),
@@ -83,10 +83,8 @@ void on_device_read(const char* what, const at::Tensor& tensor, std::atomic<int6
   counter++;
 }
 
-// The host waits for the device: what stalls an asynchronous device's host thread (not the fallback's plumbing).
-void on_host_sync() {
-  if (!t_in_fallback) g_host_syncs++;
-}
+// The host waits for the device: what stalls an asynchronous device's host thread.
+void on_host_sync() { g_host_syncs++; }
 
 // ---------------------------------------------------------------------------------------------- allocator
 struct Block {
@@ -384,7 +382,10 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
 // ---------------------------------------------------------------------------------------------- native kernels
 at::Tensor host_alias(const at::Tensor& t) {
   if (t.is_cpu()) return t;
-  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options().device(at::kCPU));
+  at::Tensor host = at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options().device(at::kCPU));
+  host._set_conj(t.is_conj());  // conjugate and negative views copy as such
+  host._set_neg(t.is_neg());
+  return host;
 }
 
 void check_empty_options(std::optional<c10::Layout> layout, std::optional<bool> pin_memory) {
@@ -392,13 +393,21 @@ void check_empty_options(std::optional<c10::Layout> layout, std::optional<bool> 
   TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory), "only CPU tensors can be pinned");
 }
 
+// As the CPU's `empty`: under torch.use_deterministic_algorithms new memory holds NaN (or the integer maximum).
+at::Tensor filled_if_deterministic(at::Tensor t) {
+  if (at::globalContext().deterministicAlgorithms() && at::globalContext().deterministicFillUninitializedMemory())
+    at::native::fill_empty_deterministic_(t);
+  return t;
+}
+
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
                                std::optional<c10::Layout> layout, std::optional<Device> device,
                                std::optional<bool> pin_memory, std::optional<c10::MemoryFormat> memory_format) {
   check_empty_options(layout, pin_memory);
   const c10::DeviceGuard guard(c10::device_or_default(device));
-  return at::detail::empty_generic(size, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                   c10::dtype_or_default(dtype), memory_format);
+  return filled_if_deterministic(at::detail::empty_generic(
+      size, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::dtype_or_default(dtype),
+      memory_format));
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
@@ -406,9 +415,21 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
                          std::optional<bool> pin_memory) {
   check_empty_options(layout, pin_memory);
   const c10::DeviceGuard guard(c10::device_or_default(device));
-  return at::detail::empty_strided_generic(size, stride, &g_allocator,
-                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                           c10::dtype_or_default(dtype));
+  return filled_if_deterministic(at::detail::empty_strided_generic(
+      size, stride, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::dtype_or_default(dtype)));
+}
+
+// Known-zero tensors (autograd's zero gradients) own no memory, as on CUDA; the CPU's cannot be copied over.
+at::Tensor efficient_zero_tensor(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                                 std::optional<c10::Layout> layout, std::optional<Device> device,
+                                 std::optional<bool> pin_memory) {
+  check_empty_options(layout, pin_memory);
+  Device target = c10::device_or_default(device);
+  if (!target.has_index()) target.set_index(t_current_device);
+  at::native::ZeroTensorAllocator allocator(target);
+  const auto keys =
+      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1) | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor);
+  return at::detail::empty_generic(size, &allocator, keys, c10::dtype_or_default(dtype), std::nullopt);
 }
 
 at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
@@ -434,7 +455,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     on_device_read("copy to the host", self, g_device_to_host);
     if (!non_blocking) on_host_sync();
   }
-  if (self.is_cpu() && dst.is_privateuseone() && !t_in_fallback) g_host_to_device++;
+  if (self.is_cpu() && dst.is_privateuseone()) g_host_to_device++;
   at::Tensor dst_host = host_alias(dst);
   at::native::copy_(dst_host, host_alias(self), non_blocking);
   return dst;
@@ -467,6 +488,79 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool));
   mask.bernoulli_(1 - p, default_generator(input.device().index()));
   return {input * mask * (1.0 / (1 - p)), mask};
+}
+
+// PyTorch's LSTM and GRU layers call fused cells on a PrivateUse1 device (as on CUDA), which have no CPU kernel.
+// These compute what the CPU's unfused cells compute, op by op in the same order (gates = (h W_hh^T + b_hh) +
+// (x W_ih^T + b_ih)), and their backwards what autograd computes through those ops (the same backward kernels),
+// from what CUDA's kernels keep: the activated gates (LSTM), or the gates, hx and the hidden new-gate input (GRU).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(const at::Tensor& input_gates,
+                                                               const at::Tensor& hidden_gates, const at::Tensor& cx,
+                                                               const std::optional<at::Tensor>& input_bias,
+                                                               const std::optional<at::Tensor>& hidden_bias) {
+  const bool bias = input_bias.has_value() && input_bias->defined();
+  at::Tensor gates = bias ? (hidden_gates + *hidden_bias).add_(input_gates + *input_bias) : hidden_gates + input_gates;
+  auto chunks = gates.unsafe_chunk(4, 1);  // activated in place: `gates` becomes the workspace
+  const at::Tensor ingate = chunks[0].sigmoid_(), forgetgate = chunks[1].sigmoid_(), cellgate = chunks[2].tanh_(),
+                   outgate = chunks[3].sigmoid_();
+  at::Tensor cy = (forgetgate * cx).add_(ingate * cellgate);
+  at::Tensor hy = outgate * cy.tanh();
+  return {hy, cy, gates};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell_backward(
+    const std::optional<at::Tensor>& grad_hy, const std::optional<at::Tensor>& grad_cy, const at::Tensor& cx,
+    const at::Tensor& cy, const at::Tensor& workspace, bool has_bias) {
+  const bool hy_grad = grad_hy.has_value() && grad_hy->defined(), cy_grad = grad_cy.has_value() && grad_cy->defined();
+  if (!hy_grad && !cy_grad) return {};
+  auto gates = workspace.chunk(4, 1);
+  const at::Tensor &ig = gates[0], &fg = gates[1], &cg = gates[2], &og = gates[3];
+  const at::Tensor tanh_cy = cy.tanh();
+  const at::Tensor go = hy_grad ? *grad_hy : at::zeros_like(cx);
+  at::Tensor gcy = at::tanh_backward(go * og, tanh_cy);  // hy = og * tanh(cy)
+  if (cy_grad) gcy = gcy + *grad_cy;
+  at::Tensor grad_gates = at::cat({at::sigmoid_backward(gcy * cg, ig), at::sigmoid_backward(gcy * cx, fg),
+                                   at::tanh_backward(gcy * ig, cg), at::sigmoid_backward(go * tanh_cy, og)}, 1);
+  at::Tensor grad_bias = has_bias ? grad_gates.sum(0) : at::Tensor();
+  return {grad_gates, gcy * fg, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_gru_cell(const at::Tensor& input_gates, const at::Tensor& hidden_gates,
+                                                  const at::Tensor& hx, const std::optional<at::Tensor>& input_bias,
+                                                  const std::optional<at::Tensor>& hidden_bias) {
+  const bool bias = input_bias.has_value() && input_bias->defined();
+  const auto igates = (bias ? input_gates + *input_bias : input_gates).unsafe_chunk(3, 1);
+  const auto hgates = (bias ? hidden_gates + *hidden_bias : hidden_gates).unsafe_chunk(3, 1);
+  const at::Tensor reset_gate = (hgates[0] + igates[0]).sigmoid_();
+  const at::Tensor input_gate = (hgates[1] + igates[1]).sigmoid_();
+  const at::Tensor new_gate = igates[2].add(hgates[2] * reset_gate).tanh_();
+  at::Tensor hy = (hx - new_gate).mul_(input_gate).add_(new_gate);
+  return {hy, at::cat({reset_gate, input_gate, new_gate, hx, hgates[2]}, 1)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru_cell_backward(
+    const at::Tensor& grad_hy, const at::Tensor& workspace, bool has_bias) {
+  auto saved = workspace.chunk(5, 1);
+  const at::Tensor &rg = saved[0], &ig = saved[1], &ng = saved[2], &hx = saved[3], &hn = saved[4];
+  // hy = (hx - ng) * ig + ng, ng = tanh(in + hn * rg)
+  const at::Tensor gin = at::tanh_backward(grad_hy - grad_hy * ig, ng);
+  const at::Tensor grg = at::sigmoid_backward(gin * hn, rg);
+  const at::Tensor gig = at::sigmoid_backward(grad_hy * (hx - ng), ig);
+  at::Tensor grad_input_gates = at::cat({grg, gig, gin}, 1), grad_hidden_gates = at::cat({grg, gig, gin * rg}, 1);
+  at::Tensor grad_input_bias, grad_hidden_bias;
+  if (has_bias) {
+    grad_input_bias = grad_input_gates.sum(0);
+    grad_hidden_bias = grad_hidden_gates.sum(0);
+  }
+  return {grad_input_gates, grad_hidden_gates, grad_hy * ig, grad_input_bias, grad_hidden_bias};
+}
+
+// scaled_dot_product_attention asks a device's `_fused_sdp_choice_stub` which kernel to run and takes the math
+// decomposition on a device without one: answer as the CPU does, so attention runs the CPU's kernels (flash).
+int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                   std::optional<double> scale, bool enable_gqa) {
+  return at::native::_fused_sdp_choice_cpp(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
 }
 
 // ---------------------------------------------------------------------------------------------- CPU fallback
@@ -529,11 +623,8 @@ void use_device_generators(const c10::OperatorHandle& op, torch::jit::Stack& sta
   }
 }
 
-// Ops whose schema hides what they do, served through a twin whose schema says it (same results on the CPU):
-// - the `*_overrideable` convolutions are extension points without a CPU kernel: `convolution`(_backward) serve
-//   them, as a backend with its own convolution kernels (TorchNeuron) does;
-// - `native_batch_norm` updates running_mean/running_var in training without declaring them mutable, so the
-//   fallback would not copy them back to the device: `_native_batch_norm_legit` declares them (Tensor(a!)).
+// `*_overrideable` convolutions are extension points without a CPU kernel: a twin whose CPU kernel does the same,
+// `convolution`(_backward), serves them, as a backend with its own convolution kernels (TorchNeuron) does.
 // Rewrites `stack` to the twin's arguments and returns the twin, or nullptr to serve `op` itself.
 const c10::OperatorHandle* twin_of(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   const auto& name = op.schema().operator_name().name;
@@ -556,26 +647,169 @@ const c10::OperatorHandle* twin_of(const c10::OperatorHandle& op, torch::jit::St
     static const auto backward = dispatcher.findSchemaOrThrow("aten::convolution_backward", "");
     return &backward;
   }
-  if (name == "aten::native_batch_norm") {  // (input, weight, bias, running_mean, running_var, training, ...)
-    const bool mean = !stack[begin + 3].isNone(), var = !stack[begin + 4].isNone();
-    if (mean && var) {
-      static const auto legit = dispatcher.findSchemaOrThrow("aten::_native_batch_norm_legit", "");
-      return &legit;
-    }
-    if (!mean && !var) {
-      stack.erase(stack.begin() + begin + 3, stack.begin() + begin + 5);
-      static const auto no_stats = dispatcher.findSchemaOrThrow("aten::_native_batch_norm_legit", "no_stats");
-      return &no_stats;
-    }
-  }
   return nullptr;
 }
 
-struct InFallback {
-  bool previous = t_in_fallback;
-  InFallback() { t_in_fallback = true; }
-  ~InFallback() { t_in_fallback = previous; }
+bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes().equals(b.sizes()) && a.strides().equals(b.strides()) && a.storage_offset() == b.storage_offset();
+}
+
+// A `key` tensor over `storage` with `like`'s dtype, sizes, strides, offset and math bits.
+at::Tensor tensor_over(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key), like.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  t._set_conj(like.is_conj());
+  t._set_neg(like.is_neg());
+  return t;
+}
+
+// One op served by its CPU kernel on zero-copy host aliases of its device tensors. Device memory is host memory, so
+// nothing is copied in: what the kernel writes into an argument (declared mutable or not: `native_batch_norm`'s
+// running statistics) is written on the device, a view it returns is the same view of the device tensor, and
+// arguments that are the same tensor, or overlap, on the device are so on the host (in-place checks, overlap
+// errors and results equal the CPU's). An argument the kernel resizes (an `out=` tensor) gets the new memory and
+// strides on the device; new results are copied to the device once per storage, keeping their strides.
+class HostCall {
+ public:
+  explicit HostCall(std::optional<Device> device) : device_(device) {}
+
+  // The host alias of a device tensor (other tensors are returned as they are): one per tensor object, over one
+  // resizable host storage per device storage.
+  at::Tensor to_host(const at::Tensor& t) {
+    if (!t.defined() || !t.is_privateuseone()) return t;
+    auto known = by_device_.find(t.unsafeGetTensorImpl());
+    if (known != by_device_.end()) return tensors_[known->second].second;
+    const c10::Storage& storage = t.storage();
+    auto it = storages_.find(storage.unsafeGetStorageImpl());
+    if (it == storages_.end()) {
+      c10::Storage host(c10::Storage::use_byte_size_t(), storage.nbytes(),
+                        c10::DataPtr(storage.mutable_data(), Device(c10::kCPU)), c10::GetCPUAllocator(),
+                        storage.resizable());
+      it = storages_.emplace(storage.unsafeGetStorageImpl(), std::make_pair(storage, std::move(host))).first;
+    }
+    at::Tensor host = tensor_over(it->second.second, c10::DispatchKey::CPU, t);
+    by_device_[t.unsafeGetTensorImpl()] = tensors_.size();
+    by_host_[host.unsafeGetTensorImpl()] = tensors_.size();
+    tensors_.emplace_back(t, host);
+    return host;
+  }
+
+  // Brings what the kernel did to the arguments to the device: host storages it reallocated (to resize an argument)
+  // give the device storage their bytes, and arguments it resized, restrided or pointed elsewhere follow.
+  void write_back() {
+    for (auto& [impl, pair] : storages_) {
+      auto& [device, host] = pair;
+      if (host.data() == device.data() && host.nbytes() == device.nbytes()) continue;
+      const c10::DeviceGuard guard(device.device());
+      c10::DataPtr data = g_allocator.allocate(host.nbytes());
+      if (host.nbytes() > 0) std::memcpy(data.get(), host.data(), host.nbytes());
+      device.set_data_ptr_noswap(std::move(data));
+      device.set_nbytes(host.nbytes());
+    }
+    for (auto& [device, host] : tensors_) {
+      if (host.storage().unsafeGetStorageImpl() != storages_.at(device.storage().unsafeGetStorageImpl()).second
+                                                       .unsafeGetStorageImpl()) {
+        at::cpu::set_(device, device_storage(host.storage(), device.device()), host.storage_offset(), host.sizes(),
+                      host.strides());
+      } else if (!same_geometry(device, host)) {
+        device.unsafeGetTensorImpl()->set_sizes_and_strides(host.sizes(), host.strides(), host.storage_offset());
+      }
+    }
+  }
+
+  // A result of the kernel on the device: an argument itself, a view of an argument's memory, or new memory copied
+  // to the device (results stay on the host when no device is the target: a CPU `device=` argument).
+  at::Tensor to_device(const at::Tensor& r) {
+    if (!r.defined() || !r.is_cpu()) return r;
+    auto known = by_host_.find(r.unsafeGetTensorImpl());
+    if (known != by_host_.end()) return tensors_[known->second].first;
+    if (!device_ || device_->type() != kNeuron) return r;
+    if (r.layout() != c10::kStrided) return r.to(*device_);  // sparse: refused as the device has no such kernels
+    return tensor_over(device_storage(r.storage(), *device_), c10::DispatchKey::PrivateUse1, r);
+  }
+
+ private:
+  // The device storage behind a host storage: the one it aliases, or a copy on `where` made once per call.
+  c10::Storage device_storage(const c10::Storage& host, Device where) {
+    for (auto& [impl, pair] : storages_)
+      if (pair.second.unsafeGetStorageImpl() == host.unsafeGetStorageImpl()) return pair.first;
+    auto copied = copies_.find(host.unsafeGetStorageImpl());
+    if (copied != copies_.end()) return copied->second;
+    const c10::DeviceGuard guard(where);
+    c10::Storage device(c10::Storage::use_byte_size_t(), host.nbytes(), &g_allocator, /*resizable=*/true);
+    if (host.nbytes() > 0) std::memcpy(device.mutable_data(), host.data(), host.nbytes());
+    copies_.emplace(host.unsafeGetStorageImpl(), device);
+    return device;
+  }
+
+  std::optional<Device> device_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> tensors_;  // (device tensor, its host alias)
+  std::unordered_map<const c10::TensorImpl*, size_t> by_device_, by_host_;
+  std::unordered_map<const c10::StorageImpl*, std::pair<c10::Storage, c10::Storage>> storages_;  // device, host
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> copies_;  // host result storage -> device copy
 };
+
+// Calls `op`'s CPU kernel on `stack` through a HostCall. A `host_op` is run as TorchNeuron runs ops without a device
+// kernel: every device tensor argument counts as read by the host, every device result as written back.
+void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::optional<Device> device, bool host_op) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const auto begin = stack->size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {  // a `device=` argument is where the results go
+    auto& value = (*stack)[begin + i];
+    if (value.isDevice()) {
+      device = value.toDevice();
+      if (device->type() == kNeuron) value = c10::IValue(Device(c10::kCPU));
+    }
+  }
+  auto read = [&](const at::Tensor& t) {
+    if (host_op && t.defined() && t.is_privateuseone()) {
+      on_device_read("argument copy of a CPU-fallback op", t, g_device_to_host);
+      on_host_sync();
+    }
+  };
+  HostCall call(device);
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto& value = (*stack)[begin + i];
+    if (value.isTensor()) {
+      read(value.toTensor());
+      value = call.to_host(value.toTensor());
+    } else if (value.isTensorList()) {  // new lists: the caller may hold the ones on the stack
+      c10::List<at::Tensor> host;
+      for (const at::Tensor& t : value.toTensorList()) {
+        read(t);
+        host.push_back(call.to_host(t));
+      }
+      value = c10::IValue(std::move(host));
+    } else if (value.isOptionalTensorList()) {
+      c10::List<std::optional<at::Tensor>> host;
+      for (const std::optional<at::Tensor>& t : value.toOptionalTensorList()) {
+        if (t.has_value()) read(*t);
+        host.push_back(t.has_value() ? std::optional<at::Tensor>(call.to_host(*t)) : std::nullopt);
+      }
+      value = c10::IValue(std::move(host));
+    }
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  call.write_back();
+  const auto returns_begin = stack->size() - schema.returns().size();
+  int64_t written = 0;
+  for (size_t i = 0; i < schema.returns().size(); ++i) {
+    auto& value = (*stack)[returns_begin + i];
+    if (value.isTensor()) {
+      const at::Tensor host = value.toTensor();
+      value = call.to_device(host);
+      written += value.toTensor().is_privateuseone() ? 1 : 0;
+    } else if (value.isTensorList()) {
+      c10::List<at::Tensor> list = value.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) {
+        list.set(j, call.to_device(list.get(j)));
+        written += list.get(j).defined() && list.get(j).is_privateuseone() ? 1 : 0;
+      }
+    }
+  }
+  if (host_op) g_host_to_device += written;
+}
 
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto device = check_devices(op, *stack);
@@ -590,13 +824,27 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   use_device_generators(op, *stack, device ? device->index() : t_current_device);
   const c10::OperatorHandle* twin = twin_of(op, *stack);
-  const c10::OperatorHandle& served = twin != nullptr ? *twin : op;
-  if (host_op) {  // as the real device's CPU fallback: its argument and result copies are counted transfers
-    at::native::cpu_fallback(served, stack);
-    return;
+  run_on_host(twin != nullptr ? *twin : op, stack, device, host_op);
+}
+
+// Ops with their own CPU kernel that a PrivateUse1 device would get as a composite kernel instead (a decomposition
+// with other numerics or checks: `native_layer_norm`, `native_group_norm`, `silu_backward`, ...) are served by the
+// fallback, so the CPU kernel runs as on the CPU. Found in the dispatcher, once, when the extension loads.
+void serve_cpu_kernels_over_composites() {
+  static torch::Library* library =
+      new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    const auto op = dispatcher.findOp(name);
+    if (name.name.rfind("aten::", 0) != 0 || !op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+      continue;
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+      const auto short_name = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+      library->impl(short_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
+    }
   }
-  InFallback guard;
-  at::native::cpu_fallback(served, stack);
 }
 
 // ---------------------------------------------------------------------------------------------- Python API
@@ -661,6 +909,7 @@ void register_hooks() {
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", &standin::empty_memory_format);
   m.impl("empty_strided", &standin::empty_strided);
+  m.impl("_efficientzerotensor", &standin::efficient_zero_tensor);
   m.impl("as_strided", &standin::as_strided);
   m.impl("view", &standin::view);
   m.impl("_reshape_alias", &standin::reshape_alias);
@@ -673,13 +922,33 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", &standin::set_storage_offset);
   m.impl("native_dropout", &standin::native_dropout);
   m.impl("_has_compatible_shallow_copy_type", &standin::has_compatible_shallow_copy_type);
+  m.impl("_thnn_fused_lstm_cell", &standin::fused_lstm_cell);
+  m.impl("_thnn_fused_lstm_cell_backward_impl", &standin::fused_lstm_cell_backward);
+  m.impl("_thnn_fused_gru_cell", &standin::fused_gru_cell);
+  m.impl("_thnn_fused_gru_cell_backward", &standin::fused_gru_cell_backward);
   // their default (CompositeExplicitAutograd) kernels raise and would win over the fallback: route them to it
   m.impl("convolution_overrideable", torch::CppFunction::makeFromBoxedFunction<&standin::cpu_fallback>());
   m.impl("convolution_backward_overrideable", torch::CppFunction::makeFromBoxedFunction<&standin::cpu_fallback>());
 }
 
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &standin::sdp_choice)
+}  // namespace at::native
+
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&standin::cpu_fallback>());
+}
+
+// Copies resolve conjugate and negative views themselves (their host aliases carry the bits): PyTorch's math-bit
+// fallbacks would first materialize the source with clone(), which copies through `_copy_from` again, forever.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 // Autocast: the same op lists as CUDA's (matmuls and convolutions in the lower precision, reductions, norms and
@@ -715,6 +984,7 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 }  // namespace at::autocast
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  standin::serve_cpu_kernels_over_composites();
   m.def("register_hooks", &standin::register_hooks, "Register the PrivateUse1 hooks (once, before first use).");
   m.def("set_device_count", &standin::set_device_count);
   m.def("device_count", [] { return standin::g_device_count.load(); });
