@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
@@ -12,62 +12,84 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_trn import NeuronHealthCheck
-from recipes.classifier import ClassifierModule
-from recipes.data import TensorDataModule
+
+
+def rows_in_batch(batch: Any) -> int:
+    """Samples in a classifier batch (`ThroughputMonitor`'s default `batch_size_fn`): the rows of `y`."""
+    return len(batch["y"])
 
 
 @dataclass(frozen=True)
 class Recipe:
     """One recipe: its config file (`recipes/configs/<name>.yaml`), how to build its data and model, and how to
-    export a trained module to the format GPU users load."""
+    export a trained module to the format GPU users load.
+
+    The optional fields default to what the classifier recipes need: `batch_size_fn` / `length_fn` count samples
+    and items (e.g. tokens) for `ThroughputMonitor`; `trainer_args` returns Trainer arguments derived from the
+    config (e.g. a strategy object) that replace `cfg.trainer`'s; `summary` returns numbers measured after `fit`,
+    printed and returned with the test metrics.
+    """
 
     name: str
-    module_class: type[ClassifierModule]
-    build_data: Callable[[DictConfig], TensorDataModule]
-    build_model: Callable[[DictConfig], ClassifierModule]
-    export: Callable[[ClassifierModule, Path], None]
+    module_class: type[pl.LightningModule]
+    build_data: Callable[[DictConfig], pl.LightningDataModule]
+    build_model: Callable[[DictConfig], pl.LightningModule]
+    export: Callable[[Any, Path], None]
+    batch_size_fn: Callable[[Any], int] = rows_in_batch
+    length_fn: Optional[Callable[[Any], int]] = None
+    trainer_args: Optional[Callable[[DictConfig], dict[str, Any]]] = None
+    summary: Optional[Callable[[pl.Trainer, pl.LightningModule, pl.LightningDataModule], dict[str, float]]] = None
 
     @property
     def config_path(self) -> Path:
         return Path(__file__).parent / "configs" / f"{self.name}.yaml"
 
 
-def build_trainer(cfg: DictConfig) -> pl.Trainer:
+def build_trainer(cfg: DictConfig, recipe: Optional[Recipe] = None) -> pl.Trainer:
     """`Trainer(**cfg.trainer)` writing logs (`metrics.csv`) and checkpoints (`last.ckpt`) under `cfg.out_dir`, with
-    the `ops.*` callbacks the config turns on."""
+    the `ops.*` callbacks the config turns on; `recipe` (if given) adds its Trainer arguments and throughput counts."""
     out_dir = Path(cfg.out_dir)
     callbacks: list[Callback] = [ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True)]
     if cfg.ops.throughput:
-        callbacks.append(ThroughputMonitor(batch_size_fn=lambda batch: len(batch["y"])))
+        batch_size_fn = recipe.batch_size_fn if recipe is not None else rows_in_batch
+        length_fn = recipe.length_fn if recipe is not None else None
+        callbacks.append(ThroughputMonitor(batch_size_fn=batch_size_fn, length_fn=length_fn))
     if cfg.ops.health_check:
         callbacks.append(NeuronHealthCheck())
+    trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
+    if recipe is not None and recipe.trainer_args is not None:
+        trainer_args.update(recipe.trainer_args(cfg))
     return pl.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),
+        **trainer_args,
         default_root_dir=out_dir,
         logger=CSVLogger(out_dir, name="logs", version=""),
         callbacks=callbacks,
     )
 
 
-def fit(recipe: Recipe, cfg: DictConfig) -> tuple[ClassifierModule, dict[str, Any]]:
+def fit(recipe: Recipe, cfg: DictConfig) -> tuple[pl.LightningModule, dict[str, Any]]:
     """Train (resuming from `cfg.ckpt_path` if set), then test the final weights on the held-out split.
 
-    Returns the trained module and the test metrics plus `checkpoint`, the path of `last.ckpt`.
+    Returns the trained module and the test metrics, the recipe's `summary` numbers and `checkpoint`, the path of
+    `last.ckpt`.
     """
     pl.seed_everything(cfg.seed, workers=True)
     data = recipe.build_data(cfg)
     model = recipe.build_model(cfg)
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, recipe)
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+    summary = recipe.summary(trainer, model, data) if recipe.summary is not None else {}
     results = trainer.test(model, datamodule=data, verbose=False)[0]
     checkpoint = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
     if trainer.is_global_zero:
         print(f"[{recipe.name}] held-out test: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
         print(f"[{recipe.name}] checkpoint: {checkpoint}")
-    return model, {**results, "checkpoint": checkpoint}
+        if summary:
+            print(f"[{recipe.name}] " + " ".join(f"{k}={v:.2f}" for k, v in summary.items()))
+    return model, {**results, **summary, "checkpoint": checkpoint}
 
 
-def load_module(recipe: Recipe, checkpoint: str) -> ClassifierModule:
+def load_module(recipe: Recipe, checkpoint: str) -> pl.LightningModule:
     """Load a recipe checkpoint on the CPU (no torch_xla needed) with `weights_only=True`."""
     return recipe.module_class.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True)
 

@@ -20,6 +20,17 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "model.lr": _POSITIVE,
     "model.weight_decay": _NON_NEGATIVE,
     "model.momentum": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    # the LLM recipe
+    "data.seq_len": _POSITIVE,
+    "data.vocab_size": (lambda v: v >= 259, "of at least 259 (256 bytes + 3 special tokens)"),
+    "model.hidden_size": _POSITIVE,
+    "model.intermediate_size": _POSITIVE,
+    "model.num_layers": _POSITIVE,
+    "model.num_heads": _POSITIVE,
+    "model.num_kv_heads": _POSITIVE,
+    "model.tensor_parallel_size": _POSITIVE,
+    "model.warmup_steps": _NON_NEGATIVE,
+    "model.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
 }
 #: sections whose keys go to Lightning as they are: any key allowed, values left for Lightning to check
 OPEN_SECTIONS = ("trainer.",)

@@ -135,7 +135,7 @@ class NeuronPrecisionCore:
 
     def round_parameter(self, value: Tensor, dtype: torch.dtype) -> Tensor:
         """An fp32 master value (a ZeRO-1 chunk) cast to its parameter's `dtype`: bf16 is rounded stochastically where
-        bf16-true rounds in software (where the runtime rounds, it rounds the cast), to nearest with `master_weights`."""
+        bf16-true rounds in software (where the runtime rounds, it rounds the cast), to nearest with master weights."""
         if dtype == torch.bfloat16 and self._software_rounding and not self.master_weights:
             return stochastic_round_to_bf16(value)
         return value.to(dtype)
