@@ -95,10 +95,11 @@ class NeuronPrecisionCore:
         self.master_weights = master_weights
         self.stochastic_rounding = stochastic_rounding and precision == "bf16-true"
         self.seed = seed
-        self._on_neuron = get_runtime().on_neuron()
+        runtime = get_runtime()
+        self._on_neuron = runtime.on_neuron()
         # where the Neuron runtime rounds it does (or not, if the user set NEURON_RT_STOCHASTIC_ROUNDING_EN=0: the
         # user wins); elsewhere, TorchNeuron included, the optimizer step rounds in software
-        self._software_rounding = self.stochastic_rounding and not get_runtime().hardware_stochastic_rounding()
+        self._software_rounding = self.stochastic_rounding and not (runtime.runtime_rounds_bf16 and self._on_neuron)
         self._environment = EnvironmentPatch()
         self._environment_applied = False
         self._configure_environment()

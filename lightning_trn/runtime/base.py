@@ -112,10 +112,6 @@ class DeviceRuntime(ABC):
         except NeuronUnavailableError:
             return False
 
-    def hardware_stochastic_rounding(self) -> bool:
-        """Whether bf16 results are rounded stochastically by the device here (else `bf16-true` rounds in software)."""
-        return self.runtime_rounds_bf16 and self.on_neuron()
-
     def chip(self) -> Optional[str]:
         """The Trainium generation of this host's NeuronCores ("trn1", "trn2", "trn3"); None off Neuron."""
         return neuron_chip() if self.on_neuron() else None
