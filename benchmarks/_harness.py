@@ -38,9 +38,9 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
-from recipes.classifier import ClassifierModule
-from recipes.cli import load_config
-from recipes.common import Recipe
+from lightning_trn.recipes.classifier import ClassifierModule
+from lightning_trn.recipes.cli import load_config
+from lightning_trn.recipes.common import Recipe
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Workload:
 
     @property
     def recipe(self) -> Recipe:
-        return importlib.import_module(f"recipes.{self.name}").RECIPE
+        return importlib.import_module(f"lightning_trn.recipes.{self.name}").RECIPE
 
 
 #: warm-up covers the first epoch end (MNIST-5k: 110 batches of 32) so every graph variant has compiled before timing;

@@ -49,10 +49,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from benchmarks._harness import describe_machine, format_table, wait_for_device
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
-from recipes.classifier import ClassifierModule
-from recipes.cli import load_config
-from recipes.common import build_trainer
-from recipes.data import TensorDataModule
+from lightning_trn.recipes.classifier import ClassifierModule
+from lightning_trn.recipes.cli import load_config
+from lightning_trn.recipes.common import build_trainer
+from lightning_trn.recipes.data import TensorDataModule
 
 #: phases in job order
 PHASES = ("setup", "train", "validation", "epoch end", "checkpoint", "test", "teardown")
@@ -183,7 +183,7 @@ class _PhaseCallback(pl.Callback):
 def _build(workload: str, out: str, overrides: Sequence[str] = ()) -> tuple[Any, TensorDataModule, ClassifierModule]:
     from importlib import import_module
 
-    recipe = import_module(f"recipes.{workload}").RECIPE
+    recipe = import_module(f"lightning_trn.recipes.{workload}").RECIPE
     cfg = load_config(recipe, [f"out_dir={out}", *JOBS[workload], *overrides])
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     return cfg, recipe.build_data(cfg), recipe.build_model(cfg)

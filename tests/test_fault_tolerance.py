@@ -401,7 +401,7 @@ def test_fabric_save_and_load_resume_mid_epoch_exactly(tmp_path: Path):
 
 
 def _recipe(out: Path, *overrides: str, **kwargs: Any) -> subprocess.Popen:
-    args = ["-m", "recipes.mlp", f"out_dir={out}", "model.hidden=[32]", "trainer.max_epochs=4",
+    args = ["-m", "lightning_trn.recipes.mlp", f"out_dir={out}", "model.hidden=[32]", "trainer.max_epochs=4",
             "trainer.limit_train_batches=40", "trainer.enable_progress_bar=false", *overrides]
     return _popen(args, cwd=str(PROJECT_ROOT), **kwargs)
 

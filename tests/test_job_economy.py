@@ -103,7 +103,7 @@ def test_metric_states_enter_every_step_graph_as_inputs():
 
     from lightning_trn.hooks import registry as lightning_hooks
     from lightning_trn.hooks.metric_states import place_scalars
-    from recipes.metrics import MaskedAccuracy
+    from lightning_trn.recipes.metrics import MaskedAccuracy
 
     runtime = get_runtime()
     device = runtime.device()

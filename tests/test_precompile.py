@@ -118,9 +118,9 @@ def test_on_neuron_it_runs_under_neuron_parallel_compile_and_graphs_only_saves_n
 RECIPE_SCRIPT = r'''
 import json, sys
 from lightning_trn.runtime import get_runtime
-from recipes import mlp
-from recipes.cli import load_config
-from recipes.common import fit
+from lightning_trn.recipes import mlp
+from lightning_trn.recipes.cli import load_config
+from lightning_trn.recipes.common import fit
 
 out, cache = sys.argv[1], sys.argv[2]
 get_runtime().enable_compile_cache(cache)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes import common, llm
+from lightning_trn.recipes import common, llm
 from tests.xla_free_python import run_without_torch_xla
 
 DOCUMENTS = [f"review {i}: " + "good " * (i % 7) + "bad " * (i % 3) + f"film number {i * 37}." for i in range(300)]
@@ -146,14 +146,14 @@ def test_documents_split_with_the_seed():
 
 
 def test_the_tokenizer_is_deterministic_in_and_across_processes(tmp_path):
-    from recipes.datasets import load_rotten_tomatoes
+    from lightning_trn.recipes.datasets import load_rotten_tomatoes
 
     texts = llm.split_documents(load_rotten_tomatoes()[0], 0.1, 0.1, seed=42)[0]
     first = llm.train_tokenizer(texts, 2048)
     again = llm.train_tokenizer(texts, 2048)
     assert first.backend_tokenizer.to_str() == again.backend_tokenizer.to_str()
     assert len(first) == 2048 and [first.bos_token_id, first.eos_token_id, first.pad_token_id] == [0, 1, 2]
-    code = ("from recipes import llm\nfrom recipes.datasets import load_rotten_tomatoes\n"
+    code = ("from lightning_trn.recipes import llm\nfrom lightning_trn.recipes.datasets import load_rotten_tomatoes\n"
             "texts = llm.split_documents(load_rotten_tomatoes()[0], 0.1, 0.1, seed=42)[0]\n"
             "print(llm.train_tokenizer(texts, 2048).backend_tokenizer.to_str())\n")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

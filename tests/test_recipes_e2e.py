@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes import common
-from recipes.cli import load_config
+from lightning_trn.recipes import common
+from lightning_trn.recipes.cli import load_config
 from tests.xla_free_python import run_without_torch_xla
 
 pytestmark = pytest.mark.slow
@@ -45,9 +45,9 @@ import lightning.pytorch as pl
 assert "torch_xla" not in sys.modules
 import importlib.util
 assert importlib.util.find_spec("torch_xla") is None
-from recipes import common
-from recipes.cli import load_config
-from recipes.{name} import RECIPE
+from lightning_trn.recipes import common
+from lightning_trn.recipes.cli import load_config
+from lightning_trn.recipes.{name} import RECIPE
 
 tmp = Path({tmp!r})
 batch = torch.load(tmp / "batch.pt", weights_only=True)
@@ -93,7 +93,7 @@ CASES = {
 def test_recipe_trains_checkpoints_and_reloads_without_torch_xla(name: str, tmp_path: Path, tmp_path_factory):
     import importlib
 
-    recipe = importlib.import_module(f"recipes.{name}").RECIPE
+    recipe = importlib.import_module(f"lightning_trn.recipes.{name}").RECIPE
     overrides, min_accuracy = CASES[name]
     overrides = [*overrides, f"out_dir={tmp_path / 'run'}", "trainer.enable_progress_bar=false"]
     cfg = load_config(recipe, overrides)

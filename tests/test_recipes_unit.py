@@ -10,13 +10,13 @@ import torch
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import VisionTransformer
 
-from recipes import cli
-from recipes.classifier import ClassifierModule
-from recipes.data import TensorDataModule, pad_to_multiple, shuffled_split
-from recipes.metrics import MaskedAccuracy
-from recipes.mlp import RECIPE as MLP
-from recipes.patch_embed import LinearPatchEmbed, to_conv_state_dict, to_linear_state_dict
-from recipes.vit import MnistViT
+from lightning_trn.recipes import cli
+from lightning_trn.recipes.classifier import ClassifierModule
+from lightning_trn.recipes.data import TensorDataModule, pad_to_multiple, shuffled_split
+from lightning_trn.recipes.metrics import MaskedAccuracy
+from lightning_trn.recipes.mlp import RECIPE as MLP
+from lightning_trn.recipes.patch_embed import LinearPatchEmbed, to_conv_state_dict, to_linear_state_dict
+from lightning_trn.recipes.vit import MnistViT
 
 
 def test_linear_patch_embed_equals_conv_on_same_weights():
@@ -138,7 +138,7 @@ def test_help_lists_every_key(capsys):
 
 
 def test_offline_data_sets():
-    from recipes.datasets import load_mnist_5k, load_rotten_tomatoes
+    from lightning_trn.recipes.datasets import load_mnist_5k, load_rotten_tomatoes
 
     mnist = load_mnist_5k()
     assert mnist["x"].shape == (5000, 784) and torch.bincount(mnist["y"]).tolist() == [500] * 10
@@ -166,7 +166,7 @@ def _padded_batch():
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_bert_4d_attention_mask_gives_the_same_logits(attn_implementation):
-    from recipes.bert import encoder_attention_mask
+    from lightning_trn.recipes.bert import encoder_attention_mask
 
     net = _tiny_bert(attn_implementation)
     input_ids, attention_mask = _padded_batch()
@@ -183,7 +183,7 @@ def test_bert_4d_attention_mask_does_not_read_the_device():
     import torch_xla
 
     from lightning_trn.runtime import get_runtime
-    from recipes.bert import encoder_attention_mask
+    from lightning_trn.recipes.bert import encoder_attention_mask
 
     device = torch_xla.device()
     net = _tiny_bert("sdpa").to(device)

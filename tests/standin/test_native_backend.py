@@ -147,7 +147,7 @@ def test_bf16_true_on_trainium_rounds_in_software_natively(monkeypatch) -> None:
 @pytest.mark.slow
 def test_mlp_recipe_reaches_0_9_and_its_checkpoint_loads_without_the_stand_in(tmp_path) -> None:
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
-    run = subprocess.run([sys.executable, "-m", "recipes.mlp", "trainer.enable_progress_bar=false"], cwd=tmp_path,
+    run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.mlp", "trainer.enable_progress_bar=false"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "lightning_trn: native backend" in run.stderr
@@ -172,13 +172,13 @@ def test_vit_recipe_runs_natively_and_its_export_loads_without_the_stand_in(tmp_
     overrides = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "trainer.max_epochs=1",
                  "trainer.limit_train_batches=40", "trainer.limit_val_batches=2", "trainer.limit_test_batches=8",
                  "trainer.enable_progress_bar=false"]
-    run = subprocess.run([sys.executable, "-m", "recipes.vit", *overrides], cwd=tmp_path, env=env,
+    run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.vit", *overrides], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "lightning_trn: native backend" in run.stderr
     assert float(re.search(r"test_acc=([0-9.]+)", run.stdout).group(1)) > 0.2  # chance is 0.1
     checkpoint = tmp_path / "runs" / "vit" / "checkpoints" / "last.ckpt"
-    export = subprocess.run([sys.executable, "-m", "recipes.vit", "export", f"ckpt={checkpoint}",
+    export = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.vit", "export", f"ckpt={checkpoint}",
                              f"out={tmp_path / 'export'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=120)
     assert export.returncode == 0, export.stderr[-2000:]
@@ -186,10 +186,10 @@ def test_vit_recipe_runs_natively_and_its_export_loads_without_the_stand_in(tmp_
         "import json, sys, torch\n"
         "from pathlib import Path\n"
         "from safetensors.torch import load_file\n"
-        "from recipes import common\n"
-        "from recipes.patch_embed import to_linear_state_dict\n"
-        "from recipes.vision_transformer import VisionTransformer\n"
-        "from recipes.vit import RECIPE\n"
+        "from lightning_trn.recipes import common\n"
+        "from lightning_trn.recipes.patch_embed import to_linear_state_dict\n"
+        "from lightning_trn.recipes.vision_transformer import VisionTransformer\n"
+        "from lightning_trn.recipes.vit import RECIPE\n"
         "assert torch._C._get_privateuse1_backend_name() == 'privateuseone'  # no stand-in here\n"
         "out = Path(sys.argv[2])\n"
         "net = VisionTransformer(**json.loads((out / 'config.json').read_text())).eval()\n"

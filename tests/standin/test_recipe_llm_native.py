@@ -17,7 +17,7 @@ import pytest
 def test_llm_recipe_meets_the_bar_natively_with_activation_checkpointing(tmp_path) -> None:
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
     run = subprocess.run(
-        [sys.executable, "-m", "recipes.llm", "model.activation_checkpointing=true",
+        [sys.executable, "-m", "lightning_trn.recipes.llm", "model.activation_checkpointing=true",
          "trainer.enable_progress_bar=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -30,7 +30,7 @@ def test_llm_recipe_meets_the_bar_natively_with_activation_checkpointing(tmp_pat
     assert len(train_loss) >= 10 and train_loss[-1] < train_loss[0] - 1.0, train_loss
 
     checkpoint = tmp_path / "runs" / "llm" / "checkpoints" / "last.ckpt"
-    export = subprocess.run([sys.executable, "-m", "recipes.llm", "export", f"ckpt={checkpoint}",
+    export = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", "export", f"ckpt={checkpoint}",
                              f"out={tmp_path / 'export'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=120)
     assert export.returncode == 0, export.stderr[-2000:]
@@ -71,7 +71,7 @@ def test_tensor_parallel_llm_trains_like_one_device(tmp_path) -> None:
     ppl = {}
     for name, overrides in runs.items():
         env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
-        run = subprocess.run([sys.executable, "-m", "recipes.llm", *short, *overrides, f"out_dir={tmp_path / name}"],
+        run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", *short, *overrides, f"out_dir={tmp_path / name}"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         ppl[name] = float(re.search(r"val_ppl=([0-9.]+)", run.stdout).group(1))

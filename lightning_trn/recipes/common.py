@@ -21,7 +21,7 @@ def rows_in_batch(batch: Any) -> int:
 
 @dataclass(frozen=True)
 class Recipe:
-    """One recipe: its config file (`recipes/configs/<name>.yaml`), how to build its data and model, and how to
+    """One recipe: its config file (`configs/<name>.yaml` in this package), how to build its data and model, and how to
     export a trained module to the format GPU users load.
 
     The optional fields default to what the classifier recipes need: `batch_size_fn` / `length_fn` count samples

@@ -1,6 +1,7 @@
-"""Command line shared by the recipes: `python -m recipes.<name> [fit|export] [key=value ...] [--help]`.
+"""Command line shared by the recipes:
+`python -m lightning_trn.recipes.<name> [fit|export] [key=value ...] [--help]`.
 
-`fit` (the default) loads `recipes/configs/<name>.yaml`, applies `key=value` overrides (omegaconf dot-list syntax,
+`fit` (the default) loads `configs/<name>.yaml` beside this file, applies `key=value` overrides (omegaconf dot-list syntax,
 e.g. `trainer.max_epochs=2 data.batch_size=64`), prints the resolved config and trains. `export ckpt=PATH out=DIR`
 converts a checkpoint for GPU/CPU users. Unknown keys are rejected, except under `trainer.` which are passed to
 `lightning.pytorch.Trainer` as they are.
@@ -14,8 +15,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import common, schema
-from recipes.common import Recipe
+from lightning_trn.recipes import common, schema
+from lightning_trn.recipes.common import Recipe
 
 def _flatten(container: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(container, dict):
@@ -50,8 +51,9 @@ def usage(recipe: Recipe) -> str:
     """The `--help` text: commands and every config key with its default."""
     keys = _flatten(OmegaConf.to_container(OmegaConf.load(recipe.config_path)))
     lines = [
-        f"usage: python -m recipes.{recipe.name} [fit] [key=value ...]",
-        f"       python -m recipes.{recipe.name} export ckpt=PATH out=DIR",
+        f"usage: python -m lightning_trn.recipes.{recipe.name} [fit] [key=value ...]",
+        f"       python -m lightning_trn.recipes.{recipe.name} export ckpt=PATH out=DIR",
+        f"       (in a checkout also python -m recipes.{recipe.name} ...)",
         "",
         f"Config keys (defaults from {recipe.config_path.name}; any other trainer.* key goes to Trainer):",
     ]
@@ -67,7 +69,7 @@ def _export_args(args: Sequence[str]) -> dict[str, str]:
 
 
 def main(recipe: Recipe, argv: Optional[Sequence[str]] = None) -> Any:
-    """Entry point of `python -m recipes.<name>`."""
+    """Entry point of `python -m lightning_trn.recipes.<name>` (and the checkout's `python -m recipes.<name>`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help", "help") for arg in args):
         print(usage(recipe))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.patch_embed import LinearPatchEmbed
+from lightning_trn.recipes.patch_embed import LinearPatchEmbed
 
 #: timm's LayerNorm epsilon for ViTs
 _EPS = 1e-6

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from recipes.data import TensorDataModule, shuffled_split
-from recipes.datasets import load_mnist_5k, load_torchvision
+from lightning_trn.recipes.data import TensorDataModule, shuffled_split
+from lightning_trn.recipes.datasets import load_mnist_5k, load_torchvision
 
 
 def mnist_datamodule(cfg: DictConfig) -> TensorDataModule:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 
-from recipes.metrics import MaskedAccuracy
+from lightning_trn.recipes.metrics import MaskedAccuracy
 
 Batch = dict[str, torch.Tensor]
 

