@@ -4,6 +4,10 @@ prefetcher (issue 17, item 13). Run by both suites."""
 
 from __future__ import annotations
 
+import gc
+import threading
+
+import pytest
 from lightning.pytorch import Callback, Trainer
 from torch import nn
 
@@ -103,3 +107,19 @@ def test_trainer_shows_the_loaders_a_cpu_run_shows_during_and_after_each_stage()
     assert shown["cpu"]["predict"] == (("DataLoader", "_IndexBatchSamplerWrapper"),) * 2
     # the Neuron run still iterated every loader through the device prefetcher
     assert all(types == [DevicePrefetchLoader] * len(types) for types in neuron_iterated.values()), neuron_iterated
+
+
+@pytest.mark.xla_only
+def test_a_loop_that_stops_early_leaves_no_loader_threads_running():
+    """`limit_*_batches` leaves the prefetcher's iterator unfinished: its background threads (torch_xla's
+    `ParallelLoader`, blocked on a full queue) must be stopped and joined, or they wake during interpreter shutdown
+    and abort the finished job ("terminate called without an active exception", exit code 134)."""
+    def loader_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.endswith(("(_loader_worker)", "(_worker)"))]
+
+    assert not loader_threads()
+    trainer = Trainer(accelerator="neuron", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                      **QUIET)
+    trainer.fit(RegressionModel(), regression_loader(n=640, batch_size=4), regression_loader(n=640, batch_size=4))
+    gc.collect()
+    assert not loader_threads()

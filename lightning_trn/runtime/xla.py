@@ -56,6 +56,17 @@ class _TensorSlot:
         self.index = index
 
 
+def _batches_until_closed(loader: Any, device: torch.device, skeletons: deque) -> Iterator:
+    """The loader's batches, rebuilt around their device tensors; stops and joins its background threads when the
+    loop leaves early (`limit_*_batches`, an exception). Left running, those daemon threads wake during interpreter
+    shutdown and abort the process ("terminate called without an active exception") after the job has finished."""
+    try:
+        for tensors in loader.per_device_loader(device):
+            yield _join_tensors(skeletons.popleft(), tensors)
+    finally:
+        loader.close()
+
+
 def _split_tensors(batch: Any) -> tuple[list[torch.Tensor], Any]:
     """The batch's tensors in order, and the batch with each replaced by its `_TensorSlot`."""
     tensors: list[torch.Tensor] = []
@@ -141,9 +152,9 @@ class XlaRuntime(DeviceRuntime):
 
         # MpDeviceLoader would also sync at every batch; after the strategy's own cut that sync has nothing to run,
         # yet in a training loop it takes about the step graph's execution time, while the host could be tracing
-        # the next step (benchmarks/README.md)
-        moved = parallel_loader.MpDeviceLoader(tensors_only(), device, batches_per_execution=sys.maxsize)
-        return (_join_tensors(skeletons.popleft(), tensors) for tensors in moved)
+        # the next step (benchmarks/README.md). Its background threads start loading now.
+        loader = parallel_loader.ParallelLoader(tensors_only(), [device], batches_per_execution=sys.maxsize)
+        return _batches_until_closed(loader, device, skeletons)
 
     def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """One transfer for all of them (what `xm.save` does), instead of one `.cpu()` per tensor."""
