@@ -347,3 +347,20 @@ def test_environment_is_reapplied_on_connect_after_teardown(platform):
     assert os.environ[CC_FLAGS] == "--auto-cast=none"
     plugin.teardown()
     assert CC_FLAGS not in os.environ
+
+
+def test_bf16_mixed_attention_casts_its_inputs_as_the_cpu_autocast_does():
+    """Under `bf16-mixed`, `scaled_dot_product_attention` takes query and key in fp32 (a rotary embedding's output)
+    beside a bf16 value (a projection's), as CPU and CUDA autocast do: all cast to bf16. torch_xla has no autocast
+    kernel for it, so it failed on the dtype mix, and with all-fp32 inputs attention ran in fp32."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=generator) for _ in range(3))
+    device = get_runtime().device()
+    plugin = NeuronPrecision("bf16-mixed")
+    for value in (v.bfloat16(), v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = F.scaled_dot_product_attention(q, k, value, is_causal=True)
+        with plugin.forward_context():
+            out = F.scaled_dot_product_attention(q.to(device), k.to(device), value.to(device), is_causal=True)
+        assert out.dtype == expected.dtype == torch.bfloat16
+        torch.testing.assert_close(out.cpu(), expected, atol=8e-3, rtol=1e-2)

@@ -56,6 +56,37 @@ class _TensorSlot:
         self.index = index
 
 
+#: the `AutocastXLA` kernel of `scaled_dot_product_attention`, registered once per process (None: not yet)
+_AUTOCAST_ATTENTION: Optional[torch.library.Library] = None
+
+
+def _register_autocast_attention() -> None:
+    """`scaled_dot_product_attention` under XLA's autocast as under the CPU's and CUDA's (`lower_precision_fp`): its
+    floating-point inputs, except float64, cast to the autocast dtype. torch registers no XLA autocast kernel for it,
+    so attention ran in fp32, and failed when a rotary embedding left query and key in fp32 beside a bf16 value.
+    Only the `AutocastXLA` dispatch key gets the kernel: CPU and GPU runs in the same process are unchanged."""
+    global _AUTOCAST_ATTENTION
+    if _AUTOCAST_ATTENTION is not None:
+        return
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype("xla")
+
+        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+            return t.to(dtype) if eligible else t
+
+        with torch.autocast("xla", enabled=False):
+            return torch.ops.aten.scaled_dot_product_attention(
+                cast(query), cast(key), cast(value), cast(attn_mask), dropout_p, is_causal, scale=scale,
+                enable_gqa=enable_gqa)
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("scaled_dot_product_attention", attention, "AutocastXLA")
+    _AUTOCAST_ATTENTION = library
+
+
 def _batches_until_closed(loader: Any, device: torch.device, skeletons: deque) -> Iterator:
     """The loader's batches, rebuilt around their device tensors; stops and joins its background threads when the
     loop leaves early (`limit_*_batches`, an exception). Left running, those daemon threads wake during interpreter
@@ -210,6 +241,7 @@ class XlaRuntime(DeviceRuntime):
 
     def autocast(self, dtype: torch.dtype) -> AbstractContextManager:
         _import("torch_xla")
+        _register_autocast_attention()
         return torch.autocast("xla", dtype=dtype)
 
     def manual_seed(self, seed: int) -> None:
