@@ -15,7 +15,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from lightning_trn.cache_archive import archive_name, extract_archive, list_entries, pack_entries
+from lightning_trn.pytorch.callbacks.compile_cache.archive import (archive_name, extract_archive, list_entries,
+                                                                   pack_entries)
 from lightning_trn.pytorch.callbacks import NeuronCompileCache
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +221,7 @@ def test_pack_and_extract_round_trip_only_named_regular_files(tmp_path):
 
 
 def test_messages_are_scrubbed_of_credentials(monkeypatch):
-    from lightning_trn.s3_cache_store import redact
+    from lightning_trn.pytorch.callbacks.compile_cache.s3_store import redact
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     monkeypatch.setenv("AWS_SESSION_TOKEN", "session-token-123")

@@ -13,12 +13,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_trn.cache_archive import archive_name, extract_archive, list_entries, pack_entries
+from lightning_trn.pytorch.callbacks.compile_cache.archive import archive_name, extract_archive, list_entries, pack_entries
 from lightning_trn.pytorch.callbacks.compiler_flags import NeuronCompilerFlags, cc_flags_digest
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.discovery import CPU
 from lightning_trn.runtime.environment import NEURON_CC_FLAGS, cc_flag_value
-from lightning_trn.s3_cache_store import S3CacheStore, is_s3_url, redact
+from lightning_trn.pytorch.callbacks.compile_cache.s3_store import S3CacheStore, is_s3_url, redact
 
 log = logging.getLogger(__name__)
 
