@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_trn.recipes import common, llm
+from lightning_trn.recipes import cli, common, llm
 from tests.xla_free_python import run_without_torch_xla
 
 DOCUMENTS = [f"review {i}: " + "good " * (i % 7) + "bad " * (i % 3) + f"film number {i * 37}." for i in range(300)]
@@ -28,7 +28,7 @@ def default_job(tmp_path_factory) -> dict:
     from lightning_trn.runtime import get_runtime
 
     out_dir = tmp_path_factory.mktemp("llm") / "run"
-    cfg = llm.load_config([f"out_dir={out_dir}", "trainer.enable_progress_bar=false"])
+    cfg = cli.load_config(llm.RECIPE, [f"out_dir={out_dir}", "trainer.enable_progress_bar=false"])
     before = get_runtime().metrics()
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -97,7 +97,7 @@ def test_export_loads_in_plain_transformers_without_torch_xla_and_generates(defa
 ])
 def test_a_bad_override_is_one_line_naming_key_value_and_expectation(override, expected):
     with pytest.raises(SystemExit) as stop:
-        llm.main([override])
+        cli.main(llm.RECIPE, [override])
     message = str(stop.value)
     assert message.startswith("recipes.llm: ") and expected in message and "\n" not in message, message
 
@@ -110,10 +110,10 @@ def test_the_command_line_prints_that_one_line_and_nothing_else():
 
 
 def test_presets_come_before_the_command_lines_overrides():
-    cfg = llm.load_config(["trainer.devices=8", "preset=trn1-1b"])
+    cfg = cli.load_config(llm.RECIPE, ["trainer.devices=8", "preset=trn1-1b"])
     assert cfg.preset == "trn1-1b" and cfg.model.hidden_size == 2048 and cfg.trainer.strategy == "neuron_zero1"
     assert cfg.trainer.devices == 8  # the command line wins
-    assert llm.load_config([]).model.hidden_size == 128
+    assert cli.load_config(llm.RECIPE, []).model.hidden_size == 128
 
 
 def test_packed_blocks_have_one_shape_and_keep_every_token_but_the_tail():
@@ -207,19 +207,18 @@ def test_the_forward_does_not_read_the_device():
         torch_xla.sync()
         return delta.device_to_host + delta.scalar_reads
 
-    recipes_attention = module.net.config._attn_implementation
-    module.net.config._attn_implementation = "sdpa"  # transformers' own
-    assert reads(lambda: module.net(input_ids=input_ids, use_cache=False).logits) > 0  # the stock path does read
-    assert reads(lambda: module(input_ids)) == 0
-    module.net.config._attn_implementation = recipes_attention
+    assert reads(lambda: module.net(input_ids=input_ids, use_cache=False).logits) > 0  # no mask: transformers reads
     assert reads(lambda: module(input_ids)) == 0
     assert reads(lambda: module.loss_sum({"input_ids": input_ids, "labels": input_ids})[0]) == 0
 
 
-def test_sdpa_attention_runs_under_xla_bf16_autocast():
-    """XLA's autocast leaves SDPA's inputs in two dtypes (rotary query/key fp32, value bf16); the recipe's attention
-    casts them to one, as CUDA's autocast does, so `trainer.precision=bf16-mixed` works with SDPA on XLA."""
+def test_sdpa_attention_runs_under_the_plugins_bf16_autocast():
+    """The rotary embedding leaves query and key in fp32 beside a bf16 value; under the plugin's `bf16-mixed`
+    autocast SDPA casts them to one dtype, as CUDA's autocast does (`tests/test_precision.py`), so Hugging Face's own
+    SDPA attention trains with `trainer.precision=bf16-mixed` on XLA."""
     import torch_xla
+
+    from lightning_trn.runtime import get_runtime
 
     device = torch_xla.device()
     module = _tiny("sdpa").to(device)
@@ -227,6 +226,6 @@ def test_sdpa_attention_runs_under_xla_bf16_autocast():
     batch = {"input_ids": input_ids, "labels": input_ids}
     with torch.no_grad():
         full, count = module.loss_sum(batch)
-        with torch.autocast("xla", dtype=torch.bfloat16):
+        with get_runtime().autocast(torch.bfloat16):
             mixed, _ = module.loss_sum(batch)
     torch.testing.assert_close((mixed / count).cpu(), (full / count).cpu(), rtol=2e-2, atol=0)

@@ -3,18 +3,24 @@ offline data."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import re
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import VisionTransformer
 
 from lightning_trn.recipes import cli
 from lightning_trn.recipes.classifier import ClassifierModule
+from lightning_trn.recipes.common import RecipeConfig
 from lightning_trn.recipes.data import TensorDataModule, pad_to_multiple, shuffled_split
 from lightning_trn.recipes.metrics import MaskedAccuracy
 from lightning_trn.recipes.mlp import RECIPE as MLP
+from lightning_trn.recipes.mlp import MlpConfig
+from lightning_trn.recipes.mnist import MnistData
 from lightning_trn.recipes.patch_embed import LinearPatchEmbed, to_conv_state_dict, to_linear_state_dict
 from lightning_trn.recipes.vit import MnistViT
 
@@ -117,6 +123,13 @@ def test_config_overrides_and_unknown_keys():
     ("data.val_fraction=1.5", "data.val_fraction=1.5: expected a value in [0, 1)"),
     ("model.hidden=[16,x]", "model.hidden=[16, 'x']: expected a list like [1, 2]"),
     ("out_dir=[1]", "out_dir=[1]: expected a string"),
+    # omegaconf's typed merge, translated to one line
+    ("model.hidden=[1.5]", "model.hidden=[1.5]: expected a list like [1, 2] (default [120, 84])."),
+    ("model.hidden=16", "model.hidden=16: expected a list like [1, 2] (default [120, 84])."),
+    ("ops.throughput=maybe", "ops.throughput='maybe': expected true or false (default False)."),
+    ("seed=true", "seed=True: expected an integer (default 42)."),
+    ("ckpt_path=[a]", "ckpt_path=['a']: expected a string or null (default None)."),
+    ("model.lr=inf", "model.lr='inf': expected a number (default 0.01)."),
 ])
 def test_wrong_value_types_name_key_value_and_expectation(override, expected):
     with pytest.raises(ValueError, match=re.escape(f"recipes.mlp: Config key {expected}")):
@@ -130,11 +143,61 @@ def test_numbers_are_accepted_in_any_spelling():
     assert (cfg.model.lr, cfg.model.momentum, cfg.data.val_fraction) == (1e-3, 0, 0)
 
 
-def test_help_lists_every_key(capsys):
+@pytest.mark.parametrize("override", ["data.batchsize=64", "ops.profiler=true", "model.widths=[8]", "preset=x"])
+def test_an_unknown_key_names_it_in_one_line(override):
+    key = override.split("=")[0]
+    with pytest.raises(KeyError, match=re.escape(f"Unknown config key {key!r} for recipe 'mlp'; known keys: seed,")):
+        cli.load_config(MLP, [override])
+    with pytest.raises(SystemExit) as stop:
+        cli.main(MLP, [override])
+    assert str(stop.value).startswith(f"Unknown config key {key!r}") and "\n" not in str(stop.value)
+
+
+def test_the_config_is_typed_by_the_recipes_schema():
+    cfg = cli.load_config(MLP, ["model.lr=1", "data.source=5", "model.hidden=[8,'4']", "trainer.new_arg=[1, 2]"])
+    assert OmegaConf.get_type(cfg) is MlpConfig and OmegaConf.get_type(cfg.data) is MnistData
+    assert type(cfg.model.lr) is float and cfg.data.source == "5" and list(cfg.model.hidden) == [8, 4]
+    assert list(cfg.trainer.new_arg) == [1, 2]  # trainer.* is open: any key, any value
+
+
+@pytest.mark.parametrize("name", ["mlp", "vit", "bert", "llm"])
+def test_every_yaml_default_fits_its_recipes_schema(name):
+    recipe = importlib.import_module(f"lightning_trn.recipes.{name}").RECIPE
+    assert OmegaConf.get_type(cli.load_config(recipe)) is recipe.schema  # types, key sets and ranges agree
+
+
+def test_the_yaml_and_the_schema_must_have_the_same_keys():
+    @dataclasses.dataclass
+    class Wider(MlpConfig):
+        extra: int
+
+    with pytest.raises(TypeError, match=r"mlp.yaml does not match .*RecipeConfig: Key 'data' not in 'RecipeConfig'"):
+        cli.load_config(dataclasses.replace(MLP, schema=RecipeConfig))
+    with pytest.raises(TypeError, match=r"mlp.yaml does not match .*Wider: no default for extra"):
+        cli.load_config(dataclasses.replace(MLP, schema=Wider))
+
+
+def test_a_recipe_with_presets_applies_them_before_the_command_line():
+    @dataclasses.dataclass
+    class WithPreset(MlpConfig):
+        preset: str = "none"
+
+    recipe = dataclasses.replace(MLP, schema=WithPreset, presets={"wide": ("model.hidden=[256]", "data.batch_size=64")})
+    cfg = cli.load_config(recipe, ["data.batch_size=16", "preset=wide"])
+    assert (cfg.preset, list(cfg.model.hidden), cfg.data.batch_size) == ("wide", [256], 16)
+    assert list(cli.load_config(recipe, ["preset=none"]).model.hidden) == [120, 84]
+    with pytest.raises(ValueError, match=re.escape("Config key preset='tall': expected one of none, wide.")):
+        cli.load_config(recipe, ["preset=tall"])
+
+
+def test_help_lists_every_key_with_its_default_and_type(capsys):
     cli.main(MLP, ["--help"])
     out = capsys.readouterr().out
     for key in ("trainer.precision=32-true", "data.batch_size=32", "model.lr=0.01", "export ckpt=PATH out=DIR"):
         assert key in out
+    assert re.search(r"\n  data\.batch_size=32 +an integer, greater than 0\n", out)
+    assert re.search(r"\n  model\.hidden=\[120, 84\] +a list like \[1, 2\]\n", out)
+    assert "\n  trainer.enable_progress_bar=true\n" in out  # Lightning's: no type here
 
 
 def test_offline_data_sets():

@@ -9,7 +9,7 @@ process, the default group is the runtime's `neuron` backend and host objects go
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
@@ -64,40 +64,80 @@ def _shard_of(full: Tensor, like: Tensor) -> Tensor:
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
+#: a module's own initialization of the submodules it was built with on the meta device, used by `materialize`:
+#: a method returning `(submodule, init)` pairs in order, `init(submodule)` writing all of that submodule's own
+#: parameters and buffers (e.g. `recipes.llm.CausalLM`: Hugging Face's init, replayed as eager construction runs it)
+MATERIALIZATION_STEPS = "materialization_steps"
+#: what runs `materialize`'s steps: at each one, one submodule's own tensors exist at full size on the host
+InitStep = tuple[Module, Callable[[Module], None]]
+
+
+def _own_tensors(submodule: Module) -> dict[str, Tensor]:
+    return {name: tensor for name, tensor in {**submodule._parameters, **submodule._buffers}.items()
+            if tensor is not None}
+
+
+def _reset_parameters_steps(module: Module, done: set[Module]) -> tuple[list[InitStep], set[str]]:
+    """`reset_parameters()` of every submodule with tensors of its own not in `done`, in `modules()` order; and the
+    class names of those without the method."""
+    steps: list[InitStep] = []
+    missing = set()
+    for submodule in module.modules():
+        if submodule in done or not _own_tensors(submodule):
+            continue
+        if callable(getattr(submodule, "reset_parameters", None)):
+            steps.append((submodule, lambda sub: sub.reset_parameters()))
+        else:
+            missing.add(type(submodule).__name__)
+    return steps, missing
+
+
+def _run_on_host(submodule: Module, init: Callable[[Module], None]) -> dict[str, Tensor]:
+    """`init(submodule)` with full-size, uninitialized host tensors in place of its own; returns them (initialized)
+    and puts the submodule's own tensors back."""
+    own = _own_tensors(submodule)
+    for name, tensor in own.items():
+        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        if name in submodule._parameters:
+            submodule._parameters[name] = torch.nn.Parameter(host, tensor.requires_grad)
+        else:
+            submodule._buffers[name] = host
+    try:
+        init(submodule)
+        return {name: tensor.detach() for name, tensor in _own_tensors(submodule).items()}
+    finally:
+        for name, tensor in own.items():
+            (submodule._parameters if name in submodule._parameters else submodule._buffers)[name] = tensor
+
+
 def materialize(module: Module, device: torch.device) -> None:
     """Give a module built on the meta device (`init_module(empty_init=True)`) and then sharded its values on the
     device: each submodule's `reset_parameters()` runs on full-size CPU tensors, from the CPU generator that every rank
     seeded the same, and each rank keeps its shard. The weights are those of the unsharded module initialised on the
     CPU, whatever the mesh, and no random op runs on DTensors (TorchNeuron's generator does not serve DTensor's
-    offset-based random streams). Host memory: one submodule's own tensors at full size."""
+    offset-based random streams). Host memory: one submodule's own tensors at full size.
+
+    A module with a `materialization_steps()` method (`MATERIALIZATION_STEPS`) initializes the submodules it names
+    its own way instead, in its order (a submodule may come more than once, e.g. to draw what eager construction drew
+    before the final init; it is copied to the device after its last step); `reset_parameters()` serves the rest."""
     if not _has_meta_device_parameters_or_buffers(module):
         return
-    module.to_empty(device=device)  # FSDP2 re-points its sharded parameters (as Lightning's materialization does)
-    uninitialized = set()
-    for submodule in module.modules():
-        own = {**submodule._parameters, **submodule._buffers}
-        own = {name: tensor for name, tensor in own.items() if tensor is not None}
-        if not own:
-            continue
-        reset = getattr(submodule, "reset_parameters", None)
-        if not callable(reset):
-            uninitialized.add(type(submodule).__name__)
-            continue
-        for name, tensor in own.items():  # full-size host tensors in their place while `reset_parameters` runs
-            host = torch.empty(tensor.shape, dtype=tensor.dtype)
-            table = submodule._parameters if name in submodule._parameters else submodule._buffers
-            table[name] = torch.nn.Parameter(host, tensor.requires_grad) if name in submodule._parameters else host
-        try:
-            reset()
-            initialized = {**submodule._parameters, **submodule._buffers}
-        finally:
-            for name, tensor in own.items():
-                table = submodule._parameters if name in submodule._parameters else submodule._buffers
-                table[name] = tensor
+    # `to_empty` on the meta tensors only: it would empty every tensor `_apply` reaches, torchmetrics' states
+    # included (a recipe's running validation sums). FSDP2 re-points its sharded parameters in its `_apply`.
+    module._apply(lambda tensor: torch.empty_like(tensor, device=device) if tensor.is_meta else tensor)
+    hook = getattr(module, MATERIALIZATION_STEPS, None)
+    steps: list[InitStep] = list(hook()) if callable(hook) else []
+    default, uninitialized = _reset_parameters_steps(module, {submodule for submodule, _ in steps})
+    steps += default
+    last = {submodule: index for index, (submodule, _) in enumerate(steps)}
+    for index, (submodule, init) in enumerate(steps):
+        initialized = _run_on_host(submodule, init)
+        if last[submodule] != index:
+            continue  # drawn again later: only the last step's values reach the device
         with torch.no_grad():
-            for name, tensor in own.items():
+            for name, tensor in _own_tensors(submodule).items():
                 local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                local.copy_(_shard_of(initialized[name].detach().to(device), tensor))
+                local.copy_(_shard_of(initialized[name].to(device), tensor))
     if uninitialized:
         rank_zero_warn(
             "Parameter initialization incomplete. These modules have parameters or buffers with uninitialized memory "

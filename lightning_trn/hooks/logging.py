@@ -77,8 +77,10 @@ def deferring_metrics(metrics_property: Any) -> Optional[property]:
     def metrics(self: Any) -> Any:
         strategy = self.trainer.strategy
         compute = metrics_property.fget
+        # across processes, `sync_dist` runs on the device; so do torchmetrics' syncs under a one-process group
+        # (`neuron_ddp`/`fsdp` with one device), which the native `neuron` backend refuses on host tensors
         if (getattr(self, "_first_loop_iter", 0) is None and getattr(strategy, "epoch_values_on_host", False)
-                and getattr(strategy, "world_size", 1) == 1):  # across processes, `sync_dist` runs on the device
+                and getattr(strategy, "world_size", 1) == 1 and not torch.distributed.is_initialized()):
             compute = _computing_on_host(compute)  # hook 4: epoch-level values
         if not getattr(strategy, "defer_progress_bar_metrics", False):
             return compute(self)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
-from lightning_trn.recipes.common import Recipe
+from lightning_trn.recipes.common import FRACTION, NON_NEGATIVE, POSITIVE, Recipe, RecipeConfig, checked
 from lightning_trn.recipes.text import OFFLINE_MODEL, resolve_model, text_datamodule
 
 
@@ -49,6 +50,34 @@ def encoder_attention_mask(padding_mask: torch.Tensor, attn_implementation: str,
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
+@dataclass
+class BertData:
+    """`data.*` of `configs/bert.yaml`."""
+
+    source: str
+    batch_size: int = checked(POSITIVE)
+    max_length: int = checked(POSITIVE)
+    val_fraction: float = checked(FRACTION)
+    test_fraction: float = checked(FRACTION)
+
+
+@dataclass
+class BertModel:
+    """`model.*` of `configs/bert.yaml`."""
+
+    name: str
+    lr: float = checked(POSITIVE)
+    weight_decay: float = checked(NON_NEGATIVE)
+
+
+@dataclass
+class BertConfig(RecipeConfig):
+    """Schema of `configs/bert.yaml`."""
+
+    data: BertData
+    model: BertModel
+
+
 def build_model(cfg: DictConfig) -> TextClassifier:
     return TextClassifier(name=cfg.model.name, lr=cfg.model.lr, weight_decay=cfg.model.weight_decay)
 
@@ -59,7 +88,7 @@ def export(module: TextClassifier, out_dir: Path) -> None:
     AutoTokenizer.from_pretrained(resolve_model(module.hparams.name)).save_pretrained(out_dir)
 
 
-RECIPE = Recipe("bert", TextClassifier, text_datamodule, build_model, export)
+RECIPE = Recipe("bert", TextClassifier, text_datamodule, build_model, export, BertConfig)
 
 if __name__ == "__main__":
     main(RECIPE)

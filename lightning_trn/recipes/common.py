@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -19,15 +20,50 @@ def rows_in_batch(batch: Any) -> int:
     return len(batch["y"])
 
 
+#: value checks beyond the type (omegaconf checks types only): (test, what "expected a value ..." goes on to say)
+Check = tuple[Callable[[Any], bool], str]
+POSITIVE: Check = (lambda v: v > 0, "greater than 0")
+NON_NEGATIVE: Check = (lambda v: v >= 0, "0 or more")
+FRACTION: Check = (lambda v: 0 <= v < 1, "in [0, 1)")
+UNIT_INTERVAL: Check = (lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
+def checked(check: Check) -> Any:
+    """A schema field whose value must pass `check`, e.g. `batch_size: int = checked(POSITIVE)`; no default."""
+    return field(metadata={"check": check})
+
+
+@dataclass
+class Ops:
+    """`ops.*`: the operations callbacks (docs/operations.md)."""
+
+    throughput: bool
+    health_check: bool
+
+
+@dataclass
+class RecipeConfig:
+    """The keys every recipe's schema has. Schemas give types and value checks only: the defaults are in the YAML.
+    `trainer` is open: any key, passed to `lightning.pytorch.Trainer` as it is (Lightning checks the values)."""
+
+    seed: int
+    out_dir: str
+    ckpt_path: Optional[str]
+    ckpt_every_n_steps: int = checked(NON_NEGATIVE)
+    trainer: dict[str, Any]
+    ops: Ops
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """One recipe: its config file (`configs/<name>.yaml` in this package), how to build its data and model, and how to
-    export a trained module to the format GPU users load.
+    """One recipe: its config file (`configs/<name>.yaml` in this package) and `schema` (a `RecipeConfig` subclass),
+    how to build its data and model, and how to export a trained module to the format GPU users load.
 
     The optional fields default to what the classifier recipes need: `batch_size_fn` / `length_fn` count samples
     and items (e.g. tokens) for `ThroughputMonitor`; `trainer_args` returns Trainer arguments derived from the
     config (e.g. a strategy object) that replace `cfg.trainer`'s; `summary` returns numbers measured after `fit`,
-    printed and returned with the test metrics.
+    printed and returned with the test metrics; `presets` are named override lists for `preset=NAME` (the schema
+    then has a `preset: str` key, default `none`).
     """
 
     name: str
@@ -35,21 +71,41 @@ class Recipe:
     build_data: Callable[[DictConfig], pl.LightningDataModule]
     build_model: Callable[[DictConfig], pl.LightningModule]
     export: Callable[[Any, Path], None]
+    schema: type[RecipeConfig]
     batch_size_fn: Callable[[Any], int] = rows_in_batch
     length_fn: Optional[Callable[[Any], int]] = None
     trainer_args: Optional[Callable[[DictConfig], dict[str, Any]]] = None
     summary: Optional[Callable[[pl.Trainer, pl.LightningModule, pl.LightningDataModule], dict[str, float]]] = None
+    presets: Mapping[str, Sequence[str]] = field(default_factory=dict, hash=False)
 
     @property
     def config_path(self) -> Path:
         return Path(__file__).parent / "configs" / f"{self.name}.yaml"
 
 
+def checkpoint_callbacks(dirpath: Path, every_n_steps: int = 0) -> list[Callback]:
+    """`last.ckpt` in `dirpath` at every epoch end and, with `every_n_steps` > 0 (`ckpt_every_n_steps`), also every
+    that many optimizer steps, mid-epoch included, so a stopped job resumes (exactly: docs/fault-tolerance.md) from
+    at most that many steps back.
+
+    Two callbacks: one `ModelCheckpoint` cannot save both every n steps and at epoch ends, and a step-only one would
+    leave `last.ckpt` behind the final weights when the job's length is not a multiple of n. Both write the same
+    `last.ckpt` (no `last-v1.ckpt` versions), the step one no top-k files.
+    """
+    if every_n_steps <= 0:
+        return [ModelCheckpoint(dirpath=dirpath, save_last=True)]
+    return [
+        ModelCheckpoint(dirpath=dirpath, save_last=True, enable_version_counter=False),
+        ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=0, every_n_train_steps=every_n_steps,
+                        enable_version_counter=False),
+    ]
+
+
 def build_trainer(cfg: DictConfig, recipe: Optional[Recipe] = None) -> pl.Trainer:
     """`Trainer(**cfg.trainer)` writing logs (`metrics.csv`) and checkpoints (`last.ckpt`) under `cfg.out_dir`, with
     the `ops.*` callbacks the config turns on; `recipe` (if given) adds its Trainer arguments and throughput counts."""
     out_dir = Path(cfg.out_dir)
-    callbacks: list[Callback] = [ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True)]
+    callbacks: list[Callback] = checkpoint_callbacks(out_dir / "checkpoints", cfg.get("ckpt_every_n_steps", 0))
     if cfg.ops.throughput:
         batch_size_fn = recipe.batch_size_fn if recipe is not None else rows_in_batch
         length_fn = recipe.length_fn if recipe is not None else None

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics import Metric
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lightning_trn.recipes import cli
-from lightning_trn.recipes.common import Recipe
+from lightning_trn.recipes.cli import main
+from lightning_trn.recipes.common import FRACTION, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, Recipe, RecipeConfig, checked
 from lightning_trn.recipes.data import shuffled_split
 from lightning_trn.recipes.datasets import load_rotten_tomatoes
 
@@ -56,6 +56,48 @@ PRESETS: dict[str, tuple[str, ...]] = {
     ),
 }
 _MODEL_PARALLEL = ("model_parallel", "neuron_model_parallel")
+#: strategies that shard the model: `build_model` builds it on the meta device, the strategy materializes shards
+_SHARDED = (*_MODEL_PARALLEL, "fsdp", "neuron_fsdp")
+
+
+@dataclass
+class LlmData:
+    """`data.*` of `configs/llm.yaml`."""
+
+    source: str
+    vocab_size: int = checked((lambda v: v >= 259, "of at least 259 (256 bytes + 3 special tokens)"))
+    seq_len: int = checked(POSITIVE)
+    batch_size: int = checked(POSITIVE)
+    val_fraction: float = checked(FRACTION)
+    test_fraction: float = checked(FRACTION)
+
+
+@dataclass
+class LlmModel:
+    """`model.*` of `configs/llm.yaml`."""
+
+    hidden_size: int = checked(POSITIVE)
+    intermediate_size: int = checked(POSITIVE)
+    num_layers: int = checked(POSITIVE)
+    num_heads: int = checked(POSITIVE)
+    num_kv_heads: int = checked(POSITIVE)
+    rope_theta: float
+    attn_implementation: str
+    activation_checkpointing: bool
+    tensor_parallel_size: int = checked(POSITIVE)
+    lr: float = checked(POSITIVE)
+    weight_decay: float = checked(NON_NEGATIVE)
+    warmup_steps: int = checked(NON_NEGATIVE)
+    min_lr_ratio: float = checked(UNIT_INTERVAL)
+
+
+@dataclass
+class LlmConfig(RecipeConfig):
+    """Schema of `configs/llm.yaml`; `preset` names one of `PRESETS` (or `none`)."""
+
+    preset: str
+    data: LlmData
+    model: LlmModel
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -244,33 +286,6 @@ def causal_mask(seq_len: int, attn_implementation: str, dtype: torch.dtype, devi
     return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
-def sdpa_one_dtype(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor], **kwargs: Any,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """transformers' SDPA attention with query and key cast to the value's dtype when they differ.
-
-    XLA's autocast (bf16-mixed) does not cover `scaled_dot_product_attention` as CUDA's does: the rotary embedding
-    leaves query and key in fp32 while the value comes out of its projection in bf16, and SDPA refuses mixed dtypes.
-    Casting to the value's dtype is what CUDA's autocast does; with one dtype this is transformers' SDPA unchanged.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if query.dtype != value.dtype or key.dtype != value.dtype:
-        query, key = query.to(value.dtype), key.to(value.dtype)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-#: `model.attn_implementation` -> the transformers attention function name used in training (exports say `sdpa`)
-_ATTENTION = {"sdpa": "lightning_trn_sdpa", "eager": "eager"}
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(_ATTENTION["sdpa"], sdpa_one_dtype)
-
-
 def parallelize(net: LlamaForCausalLM, device_mesh: Any) -> LlamaForCausalLM:
     """Tensor parallel (TorchTitan's plan for Llama blocks: q/k/v and gate/up column-wise, o and down row-wise) over
     the mesh's `tensor_parallel` dimension, then FSDP2 per decoder layer and at the root over `data_parallel`."""
@@ -297,6 +312,42 @@ def parallelize(net: LlamaForCausalLM, device_mesh: Any) -> LlamaForCausalLM:
     return net
 
 
+def _post_order(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """`module` and its submodules, children before their parents (the order `nn.Module.apply` visits)."""
+    return [*(sub for child in module.children() for sub in _post_order(child)), module]
+
+
+def _has_own_tensors(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+
+
+def eager_init_steps(net: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]]:
+    """The initialization that building `net` eagerly runs, as `(submodule, init)` steps in the same order, for
+    `lightning_trn.core.model_parallel.materialize` (`CausalLM.materialization_steps`): run on full-size host tensors
+    from the same generator state, they reproduce the eager weights and buffers bit for bit.
+
+    A module's `__init__` ends after its children's: each `torch.nn` module with `reset_parameters` (Linear,
+    Embedding) draws torch's default init when built, and each Hugging Face `PreTrainedModel` ends with `post_init`,
+    whose `_init_weights` re-initializes, children first, what no inner model's `post_init` did (normal(0, 0.02)
+    matrices, a zero padding row, ones for RMSNorm, the rotary `inv_freq` / `original_inv_freq`, which are
+    non-persistent buffers: no checkpoint restores them). The default draws are kept although overwritten: they move
+    the generator as eager construction does. Tied weights are not replayed (the recipe does not tie).
+    """
+    from transformers import PreTrainedModel
+
+    steps: list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]] = []
+    done: set[torch.nn.Module] = set()
+    for module in _post_order(net):
+        if type(module).__module__.startswith("torch.nn.") and callable(getattr(module, "reset_parameters", None)):
+            steps.append((module, lambda sub: sub.reset_parameters()))
+        if isinstance(module, PreTrainedModel):
+            for sub in _post_order(module):
+                if sub not in done and _has_own_tensors(sub):
+                    steps.append((sub, module._init_weights))
+                done.add(sub)
+    return steps
+
+
 class CausalLM(pl.LightningModule):
     """`LlamaForCausalLM(LlamaConfig(...))` from scratch, next-token cross-entropy, AdamW with linear warm-up and
     cosine decay per step. Logs `train_loss` (per step), `val_loss` / `val_ppl` and `test_loss` / `test_ppl`
@@ -319,9 +370,10 @@ class CausalLM(pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        meta_init: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["meta_init"])  # loading a checkpoint builds the model on the host
         if hidden_size % num_heads or num_heads % num_kv_heads:
             raise ValueError(f"model.hidden_size={hidden_size} must be a multiple of model.num_heads={num_heads}, and "
                              f"num_heads of model.num_kv_heads={num_kv_heads} (grouped-query attention).")
@@ -332,11 +384,17 @@ class CausalLM(pl.LightningModule):
             max_position_embeddings=seq_len, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
             bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False,
         )
-        if attn_implementation not in _ATTENTION:
+        if attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"model.attn_implementation={attn_implementation!r}: expected sdpa or eager.")
-        _register_attention()
-        config._attn_implementation = _ATTENTION[attn_implementation]
-        self.net = LlamaForCausalLM(config)
+        config._attn_implementation = attn_implementation
+        #: meta_init: the CPU generator state the eager build would have drawn from (`materialization_steps`)
+        self._init_rng_state: Optional[torch.Tensor] = None
+        if meta_init:  # no memory: the sharding strategy materializes each rank's shards (`materialization_steps`)
+            self._init_rng_state = torch.random.get_rng_state()
+            with torch.device("meta"):
+                self.net = LlamaForCausalLM(config)
+        else:
+            self.net = LlamaForCausalLM(config)
         if activation_checkpointing:
             self.net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.val_loss, self.val_ppl = TokenMean(), TokenMean(exp=True)
@@ -398,11 +456,40 @@ class CausalLM(pl.LightningModule):
 
         from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 
+        if self.device_mesh is None and self._init_rng_state is not None:  # meta_init, nothing to shard: all here
+            from lightning_trn.core.model_parallel import materialize
+
+            materialize(self, self.trainer.strategy.root_device)
         if self.device_mesh is None or self._parallelized:
             return
         if not isinstance(self.trainer.strategy, (FSDPStrategy, NeuronFSDPStrategy)):
             parallelize(self.net, self.device_mesh)
         self._parallelized = True
+
+    def materialization_steps(self) -> list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]]:
+        """`eager_init_steps` of the model built on the meta device (`meta_init=True`), for the strategy's
+        `materialize`: they draw from the generator state recorded when the model was built, as the eager build
+        would have, and then give the CPU generator back the state it had, so the weights do not depend on what drew
+        in between. Without `meta_init`, none (nothing is on the meta device)."""
+        state = self._init_rng_state
+        steps = eager_init_steps(self.net) if state is not None else []
+        if not steps:
+            return steps
+        saved: list[torch.Tensor] = []
+
+        def first_step(sub: torch.nn.Module, init: Callable[[torch.nn.Module], None] = steps[0][1]) -> None:
+            saved.append(torch.random.get_rng_state())
+            torch.random.set_rng_state(state)
+            init(sub)
+
+        steps[0] = (steps[0][0], first_step)
+
+        def last_step(sub: torch.nn.Module, init: Callable[[torch.nn.Module], None] = steps[-1][1]) -> None:
+            init(sub)
+            torch.random.set_rng_state(saved.pop())
+
+        steps[-1] = (steps[-1][0], last_step)
+        return steps
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (no weight decay on norms or other vectors), learning rate warmed up linearly from lr/warmup_steps,
@@ -449,6 +536,7 @@ def build_model(cfg: DictConfig) -> CausalLM:
         rope_theta=m.rope_theta, attn_implementation=m.attn_implementation,
         activation_checkpointing=m.activation_checkpointing, lr=m.lr, weight_decay=m.weight_decay,
         warmup_steps=m.warmup_steps, min_lr_ratio=m.min_lr_ratio,
+        meta_init=cfg.trainer.get("strategy", "auto") in _SHARDED,
     )
 
 
@@ -489,34 +577,11 @@ def export(module: CausalLM, out_dir: Path) -> None:
     module.tokenizer().save_pretrained(out_dir)
 
 
-def apply_preset(args: Sequence[str]) -> list[str]:
-    """`preset=NAME` anywhere in `args` becomes the preset's overrides, placed first so the other arguments win;
-    `preset=NAME` itself stays, recording the choice in the config. An unknown name stops with one line."""
-    chosen = [arg.split("=", 1)[1] for arg in args if arg.startswith("preset=")]
-    if not chosen:
-        return list(args)
-    name = chosen[-1]
-    if name not in PRESETS and name != "none":
-        raise SystemExit(f"recipes.llm: Config key preset={name!r}: expected one of none, {', '.join(PRESETS)}.")
-    rest = [arg for arg in args if not arg.startswith("preset=")]
-    return [*PRESETS.get(name, ()), f"preset={name}", *rest]
-
-
-def load_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """`recipes.cli.load_config` for this recipe, with `preset=NAME` applied."""
-    return cli.load_config(RECIPE, apply_preset(overrides))
-
-
-def main(argv: Optional[Sequence[str]] = None) -> Any:
-    """Entry point of `python -m recipes.llm`: the shared command line, with `preset=NAME`."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    return cli.main(RECIPE, args if args[:1] == ["export"] else apply_preset(args))
-
-
 RECIPE = Recipe(
-    "llm", CausalLM, lm_datamodule, build_model, export,
+    "llm", CausalLM, lm_datamodule, build_model, export, LlmConfig,
     batch_size_fn=sequences_in_batch, length_fn=tokens_in_batch, trainer_args=trainer_args, summary=summary,
+    presets=PRESETS,
 )
 
 if __name__ == "__main__":
-    main()
+    main(RECIPE)

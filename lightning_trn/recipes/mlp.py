@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,8 +12,8 @@ from torch import nn
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
-from lightning_trn.recipes.common import Recipe
-from lightning_trn.recipes.mnist import mnist_datamodule
+from lightning_trn.recipes.common import POSITIVE, UNIT_INTERVAL, Recipe, RecipeConfig, checked
+from lightning_trn.recipes.mnist import MnistData, mnist_datamodule
 
 
 class MnistMLP(ClassifierModule):
@@ -34,6 +35,23 @@ class MnistMLP(ClassifierModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
 
+@dataclass
+class MlpModel:
+    """`model.*` of `configs/mlp.yaml`."""
+
+    hidden: list[int]
+    lr: float = checked(POSITIVE)
+    momentum: float = checked(UNIT_INTERVAL)
+
+
+@dataclass
+class MlpConfig(RecipeConfig):
+    """Schema of `configs/mlp.yaml`."""
+
+    data: MnistData
+    model: MlpModel
+
+
 def build_model(cfg: DictConfig) -> MnistMLP:
     return MnistMLP(hidden=list(cfg.model.hidden), lr=cfg.model.lr, momentum=cfg.model.momentum)
 
@@ -43,7 +61,7 @@ def export(module: MnistMLP, out_dir: Path) -> None:
     save_file({k: v.contiguous() for k, v in module.net.state_dict().items()}, str(out_dir / "model.safetensors"))
 
 
-RECIPE = Recipe("mlp", MnistMLP, mnist_datamodule, build_model, export)
+RECIPE = Recipe("mlp", MnistMLP, mnist_datamodule, build_model, export, MlpConfig)
 
 if __name__ == "__main__":
     main(RECIPE)

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from omegaconf import DictConfig
 
+from lightning_trn.recipes.common import FRACTION, POSITIVE, checked
 from lightning_trn.recipes.data import TensorDataModule, shuffled_split
 from lightning_trn.recipes.datasets import load_mnist_5k, load_torchvision
+
+
+@dataclass
+class MnistData:
+    """`data.*` of the MLP and ViT recipes (schema: types and checks; defaults in their YAML)."""
+
+    source: str
+    root: str
+    batch_size: int = checked(POSITIVE)
+    val_fraction: float = checked(FRACTION)
+    test_fraction: float = checked(FRACTION)
 
 
 def mnist_datamodule(cfg: DictConfig) -> TensorDataModule:

@@ -7,6 +7,7 @@ on MNIST.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,8 @@ from safetensors.torch import save_file
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
-from lightning_trn.recipes.common import Recipe
-from lightning_trn.recipes.mnist import mnist_datamodule
+from lightning_trn.recipes.common import NON_NEGATIVE, POSITIVE, Recipe, RecipeConfig, checked
+from lightning_trn.recipes.mnist import MnistData, mnist_datamodule
 from lightning_trn.recipes.patch_embed import to_conv_state_dict
 from lightning_trn.recipes.vision_transformer import VisionTransformer
 
@@ -57,6 +58,30 @@ class MnistViT(ClassifierModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
+@dataclass
+class VitModel:
+    """`model.*` of `configs/vit.yaml`: `MnistViT`'s arguments (`classes` is `num_classes`)."""
+
+    img_size: int
+    patch_size: int
+    in_chans: int
+    classes: int
+    embed_dim: int
+    depth: int
+    num_heads: int
+    mlp_ratio: float
+    lr: float = checked(POSITIVE)
+    weight_decay: float = checked(NON_NEGATIVE)
+
+
+@dataclass
+class VitConfig(RecipeConfig):
+    """Schema of `configs/vit.yaml`."""
+
+    data: MnistData
+    model: VitModel
+
+
 def build_model(cfg: DictConfig) -> MnistViT:
     model: dict[str, Any] = OmegaConf.to_container(cfg.model)  # type: ignore[assignment]
     model["num_classes"] = model.pop("classes")
@@ -72,7 +97,7 @@ def export(module: MnistViT, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(arch, indent=2))
 
 
-RECIPE = Recipe("vit", MnistViT, mnist_datamodule, build_model, export)
+RECIPE = Recipe("vit", MnistViT, mnist_datamodule, build_model, export, VitConfig)
 
 if __name__ == "__main__":
     main(RECIPE)

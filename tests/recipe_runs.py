@@ -1,0 +1,105 @@
+"""A recipe run as users run it, `python -m lightning_trn.recipes.<name> key=value ...` in a child process, on either
+backend (the caller's environment picks it), and what the finished run left: its last checkpoint, its logged
+evaluation metrics and its printed held-out line. Shared by the strategy and restart tests of both suites."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+#: a 32-wide LLM on 32-token blocks, 6 steps: seconds of training, most of a run is imports (and compiling, on XLA)
+TINY_LLM = (
+    "data.seq_len=32", "data.vocab_size=512", "model.hidden_size=32", "model.intermediate_size=64",
+    "model.warmup_steps=2", "trainer.max_epochs=1", "trainer.limit_train_batches=6",
+    "trainer.limit_val_batches=2", "trainer.limit_test_batches=1", "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+)
+#: 40 steps, a checkpoint every 5: a kill after the first checkpoint lands mid-epoch with 30-odd steps to spare
+RESUMABLE = ("trainer.limit_train_batches=40", "ckpt_every_n_steps=5")
+RUN_TIMEOUT_S = 300
+
+
+def start(recipe: str, out: Path, *overrides: str, env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", f"lightning_trn.recipes.{recipe}", f"out_dir={out}", *overrides]
+    return subprocess.Popen(command, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def finish(proc: subprocess.Popen, out: Path, metrics: tuple[str, ...] = ("val_loss", "test_loss")) -> dict:
+    """The finished run's last checkpoint, its logged `metrics` and its held-out line."""
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    with open(out / "logs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    logged = {key: [float(row[key]) for row in rows if row.get(key)] for key in metrics}
+    line = next(line for line in stdout.splitlines() if "held-out test" in line)
+    return {"ckpt": torch.load(out / "checkpoints" / "last.ckpt", weights_only=True), "metrics": logged,
+            "line": line, "stderr": stderr}
+
+
+def run(recipe: str, out: Path, *overrides: str, env: dict[str, str], **kwargs: Any) -> dict:
+    return finish(start(recipe, out, *overrides, env=env), out, **kwargs)
+
+
+def assert_ends_alike(run_: dict, reference: dict, tolerance: float) -> None:
+    """Same steps and LR schedule, weights within `tolerance`, one evaluation each with the same losses, and a
+    trained reference (equality with an untrained model would say nothing)."""
+    assert run_["ckpt"]["global_step"] == reference["ckpt"]["global_step"]
+    assert run_["ckpt"]["lr_schedulers"] == reference["ckpt"]["lr_schedulers"]
+    assert run_["ckpt"]["state_dict"].keys() == reference["ckpt"]["state_dict"].keys()
+    for name, value in reference["ckpt"]["state_dict"].items():
+        torch.testing.assert_close(run_["ckpt"]["state_dict"][name], value, atol=tolerance, rtol=0, msg=name)
+    for key, values in reference["metrics"].items():
+        assert len(run_["metrics"][key]) == len(values) == 1, (key, run_["metrics"])
+        assert run_["metrics"][key] == pytest.approx(values, rel=tolerance), key
+    assert reference["metrics"]["val_loss"][0] < 6.2
+
+
+def kill_after_first_checkpoint(recipe: str, out: Path, *overrides: str, env: dict[str, str]) -> Path:
+    """Start the job, SIGKILL its process group as soon as `last.ckpt` exists, and return that mid-epoch checkpoint
+    (fails the test if the job ended first or the checkpoint is not mid-epoch)."""
+    ckpt = out / "checkpoints" / "last.ckpt"
+    proc = start(recipe, out, *overrides, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    if proc.returncode != -signal.SIGKILL:
+        pytest.fail(f"the run ended before the kill (exit {proc.returncode}): nothing was tested")
+    stopped = torch.load(ckpt, weights_only=True)
+    assert stopped["epoch"] == 0 and 0 < stopped["global_step"] < 40, ("not mid-epoch", stopped["global_step"])
+    return ckpt
+
+
+def assert_ends_identically(resumed: dict, expected: dict) -> None:
+    """Bitwise the uninterrupted job's end: held-out line, logged metrics, weights, optimizer and LR-scheduler
+    state; and the restart did not warn that it could not resume exactly."""
+    assert "not exact" not in resumed["stderr"]
+    assert (resumed["line"], resumed["metrics"]) == (expected["line"], expected["metrics"])
+    saved, reference = resumed["ckpt"], expected["ckpt"]
+    assert saved["global_step"] == reference["global_step"]
+    assert saved["lr_schedulers"] == reference["lr_schedulers"]
+    for name, value in reference["state_dict"].items():
+        assert torch.equal(saved["state_dict"][name], value), name
+    for index, state in reference["optimizer_states"][0]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(saved["optimizer_states"][0]["state"][index][key], value), (index, key)

@@ -1,0 +1,53 @@
+"""The LLM recipe (`recipes/llm.py`) on the native backend (the stand-in), ending exactly like the run it stands for:
+
+- `trainer.strategy=fsdp` (one FSDP unit per decoder layer) on two devices ends with the weights and validation/test
+  losses of one unsharded device on the same global batch;
+- a job checkpointing mid-epoch (`ckpt_every_n_steps`), killed after its first checkpoint and restarted with
+  `ckpt_path=`, ends bitwise equal to the uninterrupted job (shuffle position, LR schedule, optimizer state).
+
+For FSDP the reference is one device under `neuron_ddp`: like FSDP, a distributed strategy, so Lightning draws the
+training order with `DistributedSampler(shuffle=True, seed=seed)` in both runs, and two ranks of batch 4 (`perm[r::2]`)
+together take the one-device batch 8. A `strategy=auto` run shuffles with the recipe's own generator instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.recipe_runs import (RESUMABLE, TINY_LLM, assert_ends_alike, assert_ends_identically,
+                               kill_after_first_checkpoint, run)
+
+#: float32 AdamW, a reduce-scattered mean of 2 means vs one mean, after 6 steps
+TOLERANCE = 1e-5
+METRICS = ("val_loss", "val_ppl", "test_loss", "test_ppl")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_devices_ends_like_one_device(tmp_path: Path) -> None:
+    one = run("llm", tmp_path / "one", *TINY_LLM, "trainer.strategy=neuron_ddp", "trainer.devices=1",
+              "data.batch_size=8", env=_env(), metrics=METRICS)
+    fsdp = run("llm", tmp_path / "fsdp", *TINY_LLM, "trainer.strategy=fsdp", "trainer.devices=2", "data.batch_size=4",
+               env=_env(), metrics=METRICS)
+    assert fsdp["ckpt"]["global_step"] == 6
+    # the sharded run's checkpoint holds the whole weights, gathered
+    assert_ends_alike(fsdp, one, TOLERANCE)
+    # the perplexities are their losses' exponentials (each a TokenMean of its own, reduced over the ranks)
+    for split in ("val", "test"):
+        loss = torch.tensor(one["metrics"][f"{split}_loss"][0])
+        assert one["metrics"][f"{split}_ppl"][0] == pytest.approx(loss.exp().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_job_killed_mid_epoch_and_restarted_ends_as_the_uninterrupted_job(tmp_path: Path) -> None:
+    expected = run("llm", tmp_path / "a", *TINY_LLM, *RESUMABLE, env=_env())
+    ckpt = kill_after_first_checkpoint("llm", tmp_path / "b", *TINY_LLM, *RESUMABLE, env=_env())
+    resumed = run("llm", tmp_path / "b", *TINY_LLM, *RESUMABLE, f"ckpt_path={ckpt}", env=_env())
+    assert_ends_identically(resumed, expected)
