@@ -28,6 +28,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -38,7 +39,6 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
-from lightning_trn.recipes.classifier import ClassifierModule
 from lightning_trn.recipes.cli import load_config
 from lightning_trn.recipes.common import Recipe
 
@@ -60,13 +60,15 @@ class Workload:
 
 
 #: warm-up covers the first epoch end (MNIST-5k: 110 batches of 32) so every graph variant has compiled before timing;
-#: BERT logs every 10 steps so that its ~20 timed steps include logging steps
+#: BERT logs every 10 steps so that its ~20 timed steps include logging steps; the LLM logs every 10 steps (its
+#: recipe's setting) and warms up past its first logging step (its epoch, 360 batches, does not end in the run)
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
         Workload("mlp", (), warmup=120, steps=1000, log_every_n_steps=50),
         Workload("vit", (), warmup=115, steps=120, log_every_n_steps=50),
         Workload("bert", ("data.batch_size=8", "data.max_length=64"), warmup=4, steps=20, log_every_n_steps=10),
+        Workload("llm", (), warmup=12, steps=40, log_every_n_steps=10),
     )
 }
 
@@ -107,11 +109,67 @@ def config_and_loader(workload: Workload) -> tuple[DictConfig, DataLoader]:
     return _config_and_loader(workload.name)
 
 
-def fresh_module(workload: Workload) -> ClassifierModule:
+def fresh_module(workload: Workload) -> pl.LightningModule:
     """A new module with the recipe's seed, so every run starts from the same weights and no Trainer is attached."""
     cfg, _ = config_and_loader(workload)
     pl.seed_everything(cfg.seed, verbose=False)
     return workload.recipe.build_model(cfg)
+
+
+def clip_args(cfg: DictConfig) -> dict[str, Any]:
+    """The recipe's gradient clipping (`trainer.gradient_clip_val` / `_algorithm`), as Trainer arguments."""
+    return {key: cfg.trainer.get(key) for key in ("gradient_clip_val", "gradient_clip_algorithm")
+            if cfg.trainer.get(key) is not None}
+
+
+def clip_gradients(module: torch.nn.Module, cfg: DictConfig) -> None:
+    """The recipe's gradient clipping by hand, as Lightning applies it before each optimizer step (none if unset)."""
+    clip = clip_args(cfg)
+    if "gradient_clip_val" not in clip:
+        return
+    if clip.get("gradient_clip_algorithm", "norm") == "norm":
+        torch.nn.utils.clip_grad_norm_(module.parameters(), clip["gradient_clip_val"])
+    else:
+        torch.nn.utils.clip_grad_value_(module.parameters(), clip["gradient_clip_val"])
+
+
+@dataclass
+class Optimization:
+    """A module's optimizer and LR scheduler, as a hand-written loop drives them."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Optional[Any] = None
+    #: Lightning's `interval`: "step" (after every optimizer step) or "epoch"
+    interval: str = "epoch"
+
+    def after_step(self) -> None:
+        if self.scheduler is not None and self.interval == "step":
+            self.scheduler.step()
+
+    def after_epoch(self) -> None:
+        if self.scheduler is not None and self.interval == "epoch":
+            self.scheduler.step()
+
+
+def configure_optimization(module: pl.LightningModule, total_steps: int) -> Optimization:
+    """The module's own `configure_optimizers()` without a Trainer: a schedule that asks
+    `trainer.estimated_stepping_batches` gets `total_steps` (the optimizer steps the hand-written loop runs, which is
+    what Lightning answers for the same job). Lightning's return formats for one optimizer and at most one scheduler."""
+    module.trainer = SimpleNamespace(estimated_stepping_batches=total_steps)  # type: ignore[assignment]
+    try:
+        conf = module.configure_optimizers()
+    finally:
+        module.trainer = None  # type: ignore[assignment]
+    if isinstance(conf, torch.optim.Optimizer):
+        return Optimization(conf)
+    if isinstance(conf, dict) and set(conf) <= {"optimizer", "lr_scheduler"}:
+        scheduler = conf.get("lr_scheduler")
+        if isinstance(scheduler, dict):
+            if set(scheduler) - {"scheduler", "interval", "frequency", "name"} or scheduler.get("frequency", 1) != 1:
+                raise NotImplementedError(f"LR scheduler options beyond interval: {scheduler}")
+            return Optimization(conf["optimizer"], scheduler["scheduler"], scheduler.get("interval", "epoch"))
+        return Optimization(conf["optimizer"], scheduler)
+    raise NotImplementedError(f"configure_optimizers() returned {type(conf).__name__}: one optimizer expected")
 
 
 def wait_for_device() -> None:
@@ -199,13 +257,14 @@ def run_plugin(
     module_logging: bool = True,
     accelerator: str = "neuron",
 ) -> Measurement:
-    """`Trainer(accelerator="neuron")`, CSVLogger + default progress bar, no checkpointing, no validation.
+    """`Trainer(accelerator="neuron")`, CSVLogger + default progress bar, no checkpointing, no validation; the
+    recipe's gradient clipping, and its LR scheduler as the module configures it.
 
     For a breakdown of the per-step cost: `bar_and_logger=False` turns the progress bar and the logger off,
     `module_logging=False` makes the module's `self.log` a no-op (as in the hand-written loop), and
     `accelerator="cpu"` runs stock Lightning on the CPU instead (no lightning_trn code in the loop).
     """
-    _, loader = config_and_loader(workload)
+    cfg, loader = config_and_loader(workload)
     module = fresh_module(workload)
     if not module_logging:
         module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
@@ -224,6 +283,7 @@ def run_plugin(
             num_sanity_val_steps=0,
             default_root_dir=out,
             callbacks=[_ClockCallback(clock)],
+            **clip_args(cfg),
         )
         trainer.fit(module, train_dataloaders=loader)
     del trainer, module
@@ -253,12 +313,13 @@ def run_baseline(
 ) -> Measurement:
     """The hand-written loop around the module's own `training_step` (its `self.log` is a no-op here): torch_xla's
     on XLA, the eager one on the native backend; with `accelerator="cpu"`, the plain PyTorch loop on the CPU
-    (`optimizer.step()`, no device, no sync).
+    (`optimizer.step()`, no device, no sync). The recipe's gradient clipping before each optimizer step and the
+    module's step-interval LR scheduler after it, as in the plugin's run (`configure_optimization`).
 
     `loader_cuts=False` builds `MpDeviceLoader` so that it never syncs, as the plugin does: by default it syncs before
     every batch, and that sync, with nothing left to run after the step's own, takes about the step's execution
     time, in which the host does not trace the next step."""
-    _, loader = config_and_loader(workload)
+    cfg, loader = config_and_loader(workload)
     module = fresh_module(workload)
     optimizer_step: Callable[[torch.optim.Optimizer], Any]
     if accelerator == "cpu" or get_runtime().name == "native":
@@ -281,7 +342,8 @@ def run_baseline(
             torch_xla.sync()
 
     module.train()
-    optimizer = module.configure_optimizers()
+    optimization = configure_optimization(module, workload.warmup + workload.steps)
+    optimizer = optimization.optimizer
     clock = StepClock(workload.warmup, workload.steps, record_steps)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*self.log.*")  # "no Trainer reference": the log is skipped
@@ -291,9 +353,11 @@ def run_baseline(
             optimizer.zero_grad()
             loss = module.training_step(batch, index)
             loss.backward()
+            clip_gradients(module, cfg)
             optimizer_step(optimizer)
+            optimization.after_step()
     clock.finish()
-    del module, optimizer, batches
+    del module, optimizer, optimization, batches
     gc.collect()
     assert clock.result is not None
     return clock.result

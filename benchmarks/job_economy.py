@@ -3,8 +3,11 @@ against an expert's hand-written twin of the same job, phase by phase, on the XL
 
 The job, as users run it (`recipes.common.fit`): `fit` with validation every epoch, the progress bar, the CSV logger
 and `last.ckpt` checkpoints, then `test`. The twin does the same work the way an expert writes it for the backend:
-the same module, data and padding, epoch-mean loss and masked accuracy accumulated on the device and read once per
-epoch in one transfer, one evaluation step shared by validation and test. On XLA: one graph per training step
+the same module, data and padding, the module's optimizer and LR schedule (`configure_optimizers`), the recipe's
+gradient clipping, the values the recipe logs accumulated on the device and read where Lightning reads them (the
+classifiers' epoch-mean loss and masked accuracy once per epoch in one transfer; the LLM's per-step loss at each
+logging step, its token-weighted loss and perplexity once per split), one evaluation step shared by validation and
+test. On XLA: one graph per training step
 (`MpDeviceLoader`, `xm.optimizer_step`) and `xm.save` checkpoints; natively (TorchNeuron or the stand-in): eager
 steps on batches copied with `.to(device, non_blocking=True)` and `torch.save` checkpoints, as for any accelerator.
 
@@ -21,6 +24,7 @@ time per training step that no fix to that machinery could go below.
     PJRT_DEVICE=CPU python -m benchmarks.job_economy                      # MLP, the recipe's default job (~1 min)
     PJRT_DEVICE=CPU python -m benchmarks.job_economy --floor              # and the bare-loop floor (~1.5 min)
     PJRT_DEVICE=CPU python -m benchmarks.job_economy --workloads vit bert  # shortened jobs, counts
+    PJRT_DEVICE=CPU python -m benchmarks.job_economy --workloads llm      # the LLM recipe's default job (~2 min)
     LIGHTNING_TRN_STANDIN=1 .venv-native/bin/python -m benchmarks.job_economy  # native, on the stand-in
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,23 +52,30 @@ from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from benchmarks._harness import describe_machine, format_table, wait_for_device
+from benchmarks._harness import (
+    clip_gradients,
+    configure_optimization,
+    describe_machine,
+    format_table,
+    wait_for_device,
+)
 from lightning_trn.runtime import RuntimeMetrics, get_runtime
 from lightning_trn.recipes.classifier import ClassifierModule
 from lightning_trn.recipes.cli import load_config
-from lightning_trn.recipes.common import build_trainer
-from lightning_trn.recipes.data import TensorDataModule
+from lightning_trn.recipes.common import Recipe, build_trainer
 
 #: phases in job order
 PHASES = ("setup", "train", "validation", "epoch end", "checkpoint", "test", "teardown")
 
-#: the job per workload: the recipe's defaults for MLP; ViT and BERT shortened to 2 epochs of a few batches
+#: the job per workload: the recipe's defaults for MLP and the LLM (one epoch of 160 steps, full validation and test
+#: splits); ViT and BERT shortened to 2 epochs of a few batches
 JOBS: dict[str, tuple[str, ...]] = {
     "mlp": (),
     "vit": ("trainer.max_epochs=2", "trainer.limit_train_batches=20", "trainer.limit_val_batches=4",
             "trainer.limit_test_batches=4"),
     "bert": ("trainer.max_epochs=2", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
              "trainer.limit_test_batches=2", "data.batch_size=8", "data.max_length=64"),
+    "llm": (),
 }
 
 
@@ -180,10 +192,16 @@ class _PhaseCallback(pl.Callback):
         self.ledger.enter("teardown")
 
 
-def _build(workload: str, out: str, overrides: Sequence[str] = ()) -> tuple[Any, TensorDataModule, ClassifierModule]:
+def _recipe(workload: str) -> Recipe:
     from importlib import import_module
 
-    recipe = import_module(f"lightning_trn.recipes.{workload}").RECIPE
+    return import_module(f"lightning_trn.recipes.{workload}").RECIPE
+
+
+def _build(
+    workload: str, out: str, overrides: Sequence[str] = ()
+) -> tuple[Any, pl.LightningDataModule, pl.LightningModule]:
+    recipe = _recipe(workload)
     cfg = load_config(recipe, [f"out_dir={out}", *JOBS[workload], *overrides])
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     return cfg, recipe.build_data(cfg), recipe.build_model(cfg)
@@ -195,7 +213,7 @@ def run_plugin(workload: str, start: float, overrides: Sequence[str] = (), bare_
     with tempfile.TemporaryDirectory() as out:
         cfg, data, module = _build(workload, out, overrides)
         ledger = Ledger()
-        trainer = build_trainer(cfg)
+        trainer = build_trainer(cfg, _recipe(workload))
         trainer.callbacks.insert(0, _PhaseCallback(ledger, start))
         if bare_loop:
             trainer.fit_loop.epoch_loop.advance = _BareAdvance(trainer.fit_loop.epoch_loop)
@@ -273,31 +291,71 @@ def _check_plain_case(trainer: pl.Trainer) -> None:
         raise ValueError(f"--floor measures the plain case only; this job lacks: {', '.join(missing)}.")
 
 
-class _Totals:
-    """Epoch sums on the device, as Lightning reduces the recipe's logs: batch loss x batch rows and batch rows (the
-    loss's epoch mean), correct and real (weighted) rows (MaskedAccuracy). One transfer reads all four."""
+class _ClassifierTotals:
+    """What the classifier recipes compute (`ClassifierModule._step`): the weighted cross-entropy, and epoch sums on
+    the device as Lightning reduces their logs: batch loss x batch rows and batch rows (the loss's epoch mean), correct
+    and real (weighted) rows (MaskedAccuracy). Training values are read at each epoch end; nothing per step. One
+    transfer reads all four sums."""
+
+    epoch_values, step_values = True, False
 
     def __init__(self, device: torch.device) -> None:
         # uploaded, not created on the device: a lazy `zeros` would make each epoch's first step a graph of its own
         self.sums = torch.zeros(4).to(device)
 
-    def add(self, loss: torch.Tensor, batch: dict[str, torch.Tensor], correct: torch.Tensor) -> None:
-        rows = float(len(batch["weight"]))
-        weight = batch["weight"].to(torch.float32).sum()
+    def loss(self, module: ClassifierModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's loss; its values wait for `add`."""
+        logits = module.logits(batch)
+        weight = batch["weight"].to(torch.float32)
+        losses = F.cross_entropy(logits.float(), batch["y"], reduction="none")
+        correct = ((logits.argmax(dim=-1) == batch["y"]).to(torch.float32) * weight).sum()
+        loss = (losses * weight).sum() / weight.sum().clamp_min(1.0)
+        self._pending = (loss, float(len(weight)), correct, weight.sum())
+        return loss
+
+    def add(self) -> None:
+        loss, rows, correct, weight = self._pending
         self.sums = self.sums + torch.stack([loss.detach() * rows, torch.full_like(loss, rows), correct, weight])
 
-    def read(self) -> tuple[float, float]:
+    def read(self, stage: str) -> dict[str, float]:
         loss_rows, rows, correct, weight = self.sums.cpu().tolist()
-        return loss_rows / rows, correct / max(weight, 1.0)
+        return {f"{stage}_loss": loss_rows / rows, f"{stage}_acc": correct / max(weight, 1.0)}
 
 
-def _loss_and_correct(module: ClassifierModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recipe's loss (`ClassifierModule._step`) and the weighted count of correct predictions."""
-    logits = module.logits(batch)
-    weight = batch["weight"].to(torch.float32)
-    losses = F.cross_entropy(logits.float(), batch["y"], reduction="none")
-    correct = ((logits.argmax(dim=-1) == batch["y"]).to(torch.float32) * weight).sum()
-    return (losses * weight).sum() / weight.sum().clamp_min(1.0), correct
+class _TokenTotals:
+    """What the LLM recipe computes (`CausalLM`): the training loss per step (mean over its tokens), read at each of
+    Lightning's logging steps (`log_every_n_steps`), no training epoch values; per evaluation split the summed
+    token losses and the token count on the device (`TokenMean`), read once: mean loss and perplexity."""
+
+    epoch_values, step_values = False, True
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums = torch.zeros(2).to(device)  # uploaded, as `_ClassifierTotals.sums`
+
+    def loss(self, module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        total, count = module.loss_sum(batch)
+        self._pending = (total, count)
+        return total / count
+
+    def add(self) -> None:
+        total, count = self._pending
+        self.sums = self.sums + torch.stack([total.detach(), count.to(total.dtype)])
+
+    def read(self, stage: str) -> dict[str, float]:
+        total, count = self.sums.cpu().tolist()
+        mean = total / max(count, 1.0)
+        return {f"{stage}_loss": mean, f"{stage}_ppl": math.exp(mean)}
+
+
+def _totals_for(module: pl.LightningModule) -> type:
+    """The twin's values for the recipe's module."""
+    from lightning_trn.recipes.llm import CausalLM
+
+    if isinstance(module, ClassifierModule):
+        return _ClassifierTotals
+    if isinstance(module, CausalLM):
+        return _TokenTotals
+    raise NotImplementedError(f"no hand-written twin for {type(module).__name__}")
 
 
 class _XlaTwin:
@@ -352,54 +410,70 @@ class _NativeTwin:
 
 
 def run_expert(workload: str, start: float, overrides: Sequence[str] = ()) -> JobResult:
-    """The same job written by hand for the backend (see the module docstring)."""
+    """The same job written by hand for the backend (see the module docstring): the recipe's optimizer and LR
+    schedule (`configure_optimizers`, stepped per step or epoch as it asks), its gradient clipping, the values it logs
+    (`_totals_for`) read where Lightning reads them."""
     twin = _XlaTwin() if get_runtime().name == "xla" else _NativeTwin()
     with tempfile.TemporaryDirectory() as out:
         cfg, data, module = _build(workload, out, overrides)
         ledger = Ledger()
         module.to(twin.device)
-        optimizer = module.configure_optimizers()
+        Totals = _totals_for(module)
         limits = {key: cfg.trainer.get(f"limit_{key}_batches", 1.0) for key in ("train", "val", "test")}
 
+        def count(loader: Any, limit: Any) -> int:
+            return len(loader) if isinstance(limit, float) else min(int(limit), len(loader))
+
         def batches(loader: Any, limit: Any) -> Iterator[Any]:
-            return twin.batches(loader, len(loader) if isinstance(limit, float) else min(int(limit), len(loader)))
+            return twin.batches(loader, count(loader, limit))
 
         @torch.no_grad()
-        def evaluate(loader: Any, limit: Any) -> tuple[float, float]:
+        def evaluate(loader: Any, limit: Any, stage: str) -> dict[str, float]:
             module.eval()
-            totals = _Totals(twin.device)
+            totals = Totals(twin.device)
             for batch in batches(loader, limit):
-                loss, correct = _loss_and_correct(module, batch)
-                totals.add(loss, batch, correct)
+                totals.loss(module, batch)
+                totals.add()
                 twin.end_step()
             module.train()
-            return totals.read()
+            return totals.read(stage)
 
         # built once, as Lightning does: the seeded shuffle then differs from epoch to epoch
         train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
+        optimization = configure_optimization(module, cfg.trainer.max_epochs * count(train_loader, limits["train"]))
+        optimizer, step, logged = optimization.optimizer, 0, []
         for epoch in range(cfg.trainer.max_epochs):
             ledger.enter("train")
-            totals = _Totals(twin.device)
+            totals = Totals(twin.device)
             for batch in batches(train_loader, limits["train"]):
                 optimizer.zero_grad()
-                loss, correct = _loss_and_correct(module, batch)
+                loss = totals.loss(module, batch)
                 loss.backward()
+                clip_gradients(module, cfg)
                 twin.optimizer_step(optimizer)
-                totals.add(loss, batch, correct)
+                optimization.after_step()
+                if Totals.epoch_values:
+                    totals.add()
                 twin.end_step()
+                step += 1
+                if Totals.step_values and step % cfg.trainer.log_every_n_steps == 0:
+                    logged.append(float(loss.detach().cpu()))  # the logger's value, after the step's cut
                 ledger.step_done(start)
             ledger.enter("validation")
-            evaluate(val_loader, limits["val"])
+            evaluate(val_loader, limits["val"], "val")
             ledger.enter("epoch end")
-            totals.read()
+            if Totals.epoch_values:
+                totals.read("train")
+            optimization.after_epoch()
             ledger.enter("checkpoint")
-            twin.save({"state_dict": module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
-                      os.path.join(out, "last.ckpt"))
+            state = {"state_dict": module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+            if optimization.scheduler is not None:
+                state["lr_scheduler"] = optimization.scheduler.state_dict()
+            twin.save(state, os.path.join(out, "last.ckpt"))
         ledger.enter("test")
-        test_loss, test_acc = evaluate(data.test_dataloader(), limits["test"])
+        test = evaluate(data.test_dataloader(), limits["test"], "test")
         ledger.enter("teardown")
-    return JobResult("expert", ledger.phases, ledger.first_step_done or 0.0, time.monotonic() - start,
-                     {"test_loss": test_loss, "test_acc": test_acc})
+    return JobResult("expert", ledger.phases, ledger.first_step_done or 0.0, time.monotonic() - start, test)
 
 
 def _row(result: JobResult, phase: str) -> list[Any]:
@@ -464,7 +538,8 @@ def summary(workload: str, plugin: JobResult, expert: JobResult) -> str:
          ["process start -> first step done (s)", f"{plugin.first_step_s:.2f}", f"{expert.first_step_s:.2f}",
           _ratio(plugin.first_step_s, expert.first_step_s)],
          ["wall (s)", f"{plugin.wall_s:.1f}", f"{expert.wall_s:.1f}", _ratio(plugin.wall_s, expert.wall_s)],
-         ["test accuracy", f"{plugin.test['test_acc']:.4f}", f"{expert.test['test_acc']:.4f}", ""]],
+         *[[f"test: {name}", f"{value:.4f}", f"{expert.test[name]:.4f}", ""]
+           for name, value in sorted(plugin.test.items()) if name in expert.test]],
     )
     goals = format_table(["target", "plugin", "limit", ""], targets(plugin, expert))
     return f"### {workload}\n\n{format_table(header, rows)}\n\n{totals}\n\n{goals}\n"

@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end with a few MLP steps, through their documented command lines, on the backend
-of the suite (`overhead` and `device_behaviour` on both; `compile_cache` on XLA only; `memory` natively)."""
+of the suite (`overhead` and `device_behaviour` on both; `compile_cache` on XLA only; `memory` natively); the LLM
+workload of `overhead` and `job_economy` with a few steps too."""
 
 import math
 import os
@@ -33,6 +34,18 @@ def test_overhead_prints_both_sides_and_their_ratio():
     # the loop floors, on XLA and in stock Lightning on the CPU, in ms per step over their hand-written loops
     for column in ("loop floor on XLA: ms/step over hand-written", "loop floor on CPU: ms/step over hand-written"):
         assert math.isfinite(float(row[column]))
+
+
+def test_overhead_prints_the_llm_row():
+    """The LLM recipe's module (AdamW with its LR schedule, clipping) in both loops; past the first two steps (the one
+    creating AdamW's state, then the steady one) nothing compiles."""
+    (row,) = run_benchmark("benchmarks.overhead", "--workloads", "llm", "--repeats", "1", "--warmup", "2",
+                           "--steps", "3")
+    assert row["workload"] == "llm" and row["warm-up + timed steps"] == "2 + 3"
+    plugin, hand_written = float(row["plugin steps/s (median)"]), float(row["hand-written steps/s (median)"])
+    assert plugin > 0 and hand_written > 0
+    assert float(row["ratio (median of pairs)"]) == pytest.approx(plugin / hand_written, rel=0.01)
+    assert row["compiles while timed (max)"] == "0"
 
 
 def test_device_behaviour_finds_no_transfers_or_fallbacks_between_logging_steps():
@@ -77,6 +90,38 @@ def test_job_economy_twin_does_the_plugins_work_with_the_experts_costs():
     assert transfers == {"setup": 0, "train": 0, "validation": 3, "epoch end": 3, "checkpoint": 3, "test": 1,
                          "teardown": 0}
     assert sum(p.metrics.compiles for p in plugin.phases.values()) > 0  # measured on the plugin side too
+
+
+#: the LLM recipe's job shortened: 2 epochs of 12 steps (logging steps 10 and 20), 3 validation and test batches,
+#: a narrower model than the recipe's (same layers and ops; CI time)
+LLM_JOB = ["trainer.max_epochs=2", "trainer.limit_train_batches=12", "trainer.limit_val_batches=3",
+           "trainer.limit_test_batches=3", "data.vocab_size=300", "data.seq_len=32", "model.hidden_size=32",
+           "model.intermediate_size=64"]
+
+
+@pytest.mark.xla_only  # the counts are torch_xla's
+def test_job_economy_llm_twin_does_the_plugins_work():
+    """The LLM recipe's job through the plugin and its hand-written twin (AdamW with the recipe's warm-up + cosine
+    schedule stepped per step, gradient clipping, `train_loss` read at each logging step, token-weighted validation
+    and test): the same steps to the same test loss and perplexity; the twin's graphs (materialising the module's
+    states, first step creating AdamW's state, steady step, one evaluation step shared with test) and transfers
+    (one per logging step, evaluation split and checkpoint); the plugin compiles no more, and reads the device only
+    at logging steps while training."""
+    from benchmarks.job_economy import main
+
+    ((plugin, expert),) = main(["--workloads", "llm", "--set", *LLM_JOB]).values()
+    assert plugin.phases["train"].steps == expert.phases["train"].steps == 2 * 12
+    assert plugin.test["test_loss"] == pytest.approx(expert.test["test_loss"], abs=1e-5)
+    assert plugin.test["test_ppl"] == pytest.approx(expert.test["test_ppl"], rel=1e-5)
+    assert expert.per_phase("compiles") == {"setup": 0, "train": 3, "validation": 1, "epoch end": 0,
+                                            "checkpoint": 0, "test": 0, "teardown": 0}
+    assert expert.per_phase("device_to_host") == {"setup": 0, "train": 2, "validation": 2, "epoch end": 0,
+                                                  "checkpoint": 2, "test": 1, "teardown": 0}
+    compiles = plugin.per_phase("compiles")
+    assert compiles["train"] == 2 and compiles["validation"] == compiles["test"] == 0
+    assert sum(compiles.values()) <= sum(expert.per_phase("compiles").values())
+    # the 2 logging steps only (the bar's and the logger's read of train_loss), not one per step
+    assert 0 < plugin.phases["train"].metrics.device_to_host <= 2 * 2
 
 
 @pytest.mark.native_only  # the allocator figures exist natively only; XLA prints n/a

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_trn import precompile
-from lightning_trn.cache_archive import list_entries
+from lightning_trn.pytorch.callbacks.compile_cache.archive import list_entries
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.discovery import NEURON, Platform
 
@@ -114,35 +114,56 @@ def test_on_neuron_it_runs_under_neuron_parallel_compile_and_graphs_only_saves_n
     assert not list((tmp_path / "logs").rglob("*.csv"))  # and no metrics logged (the logger made its folder)
 
 
-#: the MLP recipe's job (bar, CSV logger, checkpoints, validation, test) with a compile cache; prints the cache counters
+#: a recipe's job (bar, CSV logger, checkpoints, validation, test) with a compile cache; prints the cache counters
 RECIPE_SCRIPT = r'''
-import json, sys
+import importlib, json, sys
 from lightning_trn.runtime import get_runtime
-from lightning_trn.recipes import mlp
 from lightning_trn.recipes.cli import load_config
 from lightning_trn.recipes.common import fit
 
-out, cache = sys.argv[1], sys.argv[2]
+out, cache, name, *overrides = sys.argv[1:]
+recipe = importlib.import_module(f"lightning_trn.recipes.{name}").RECIPE
 get_runtime().enable_compile_cache(cache)
-fit(mlp.RECIPE, load_config(mlp.RECIPE, [f"out_dir={out}", "trainer.max_epochs=2"]))
+fit(recipe, load_config(recipe, [f"out_dir={out}", *overrides]))
 print("RESULT " + json.dumps(get_runtime().compile_cache_counters()))
 '''
+
+
+def _precompile_then_run(tmp_path: Path, recipe: str, overrides: list[str]) -> tuple[dict, dict]:
+    """The cache counters of `precompile --steps 3` of a recipe's job, then of the whole job on the same cache."""
+    script = tmp_path / "job.py"
+    script.write_text(RECIPE_SCRIPT)
+    run = [str(script), str(tmp_path / "out"), str(tmp_path / "cache"), recipe, *overrides]
+    pre = subprocess.run([sys.executable, "-m", "lightning_trn.precompile", "--steps", "3", *run],
+                         env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    job = subprocess.run([sys.executable, *run], env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    return _result(pre.stdout), _result(job.stdout)
 
 
 @pytest.mark.slow
 def test_precompile_sees_every_graph_of_a_recipe_job(tmp_path):
     """A few precompile steps of the MLP recipe's job put every graph the whole job compiles into the cache: the job
     then misses none (on XLA:CPU a cached graph counts as `unloadable`, not as a miss: it cannot be deserialised)."""
-    script = tmp_path / "job.py"
-    script.write_text(RECIPE_SCRIPT)
-    cache = str(tmp_path / "cache")
-    run = [str(script), str(tmp_path / "out"), cache]
-    pre = subprocess.run([sys.executable, "-m", "lightning_trn.precompile", "--steps", "3", *run],
-                         env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
-    assert pre.returncode == 0, pre.stderr[-3000:]
-    assert _result(pre.stdout)["misses"] == 3  # the evaluation step, the first and the steady training step
-    job = subprocess.run([sys.executable, *run], env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert job.returncode == 0, job.stderr[-3000:]
-    counters = _result(job.stdout)
+    pre, counters = _precompile_then_run(tmp_path, "mlp", ["trainer.max_epochs=2"])
+    assert pre["misses"] == 3  # the evaluation step, the first and the steady training step
     assert counters["misses"] == 0 and counters["unloadable"] == 3
+
+
+#: the LLM recipe's job, 2 epochs of 12 steps (logging steps 10 and 20, a checkpoint and validation per epoch, then
+#: test), its model narrower than the recipe's (same layers and ops, faster to compile: CI time)
+LLM_JOB = ["trainer.max_epochs=2", "trainer.limit_train_batches=12", "trainer.limit_val_batches=4",
+           "trainer.limit_test_batches=4", "data.vocab_size=300", "data.seq_len=32", "model.hidden_size=32",
+           "model.intermediate_size=64"]
+
+
+@pytest.mark.slow
+def test_precompile_sees_every_graph_of_the_llm_recipe_job(tmp_path):
+    """The same for the LLM recipe (AdamW with its LR schedule, clipping, a graph at checkpoints): every graph comes
+    up in 3 precompile steps (in 1, in fact); the longer job with logging steps and a second epoch compiles nothing
+    new."""
+    pre, counters = _precompile_then_run(tmp_path, "llm", LLM_JOB)
+    assert pre["misses"] == 4
+    assert counters["misses"] == 0 and counters["unloadable"] == 4
