@@ -105,7 +105,7 @@ def build_trainer(cfg: DictConfig, recipe: Optional[Recipe] = None) -> pl.Traine
     """`Trainer(**cfg.trainer)` writing logs (`metrics.csv`) and checkpoints (`last.ckpt`) under `cfg.out_dir`, with
     the `ops.*` callbacks the config turns on; `recipe` (if given) adds its Trainer arguments and throughput counts."""
     out_dir = Path(cfg.out_dir)
-    callbacks: list[Callback] = checkpoint_callbacks(out_dir / "checkpoints", cfg.get("ckpt_every_n_steps", 0))
+    callbacks: list[Callback] = checkpoint_callbacks(out_dir / "checkpoints", cfg.ckpt_every_n_steps)
     if cfg.ops.throughput:
         batch_size_fn = recipe.batch_size_fn if recipe is not None else rows_in_batch
         length_fn = recipe.length_fn if recipe is not None else None
