@@ -23,8 +23,9 @@ TINY_LLM = (
     "trainer.limit_val_batches=2", "trainer.limit_test_batches=1", "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
 )
-#: 40 steps, a checkpoint every 5: a kill after the first checkpoint lands mid-epoch with 30-odd steps to spare
-RESUMABLE = ("trainer.limit_train_batches=40", "ckpt_every_n_steps=5")
+#: 20 steps, a checkpoint every 5: a kill after the first checkpoint lands mid-epoch with steps to spare
+RESUMABLE_STEPS = 20
+RESUMABLE = (f"trainer.limit_train_batches={RESUMABLE_STEPS}", "ckpt_every_n_steps=5")
 RUN_TIMEOUT_S = 300
 
 
@@ -86,7 +87,8 @@ def kill_after_first_checkpoint(recipe: str, out: Path, *overrides: str, env: di
     if proc.returncode != -signal.SIGKILL:
         pytest.fail(f"the run ended before the kill (exit {proc.returncode}): nothing was tested")
     stopped = torch.load(ckpt, weights_only=True)
-    assert stopped["epoch"] == 0 and 0 < stopped["global_step"] < 40, ("not mid-epoch", stopped["global_step"])
+    assert stopped["epoch"] == 0 and 0 < stopped["global_step"] < RESUMABLE_STEPS, ("not mid-epoch",
+                                                                                    stopped["global_step"])
     return ckpt
 
 

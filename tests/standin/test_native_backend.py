@@ -147,8 +147,8 @@ def test_bf16_true_on_trainium_rounds_in_software_natively(monkeypatch) -> None:
 @pytest.mark.slow
 def test_mlp_recipe_reaches_0_9_and_its_checkpoint_loads_without_the_stand_in(tmp_path) -> None:
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
-    run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.mlp", "trainer.enable_progress_bar=false"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.mlp", "trainer.enable_progress_bar=false"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "lightning_trn: native backend" in run.stderr
     accuracy = float(re.search(r"test_acc=([0-9.]+)", run.stdout).group(1))

@@ -71,7 +71,8 @@ def test_tensor_parallel_llm_trains_like_one_device(tmp_path) -> None:
     ppl = {}
     for name, overrides in runs.items():
         env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
-        run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", *short, *overrides, f"out_dir={tmp_path / name}"],
+        run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", *short, *overrides,
+                              f"out_dir={tmp_path / name}"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         ppl[name] = float(re.search(r"val_ppl=([0-9.]+)", run.stdout).group(1))
