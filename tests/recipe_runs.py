@@ -105,3 +105,18 @@ def assert_ends_identically(resumed: dict, expected: dict) -> None:
     for index, state in reference["optimizer_states"][0]["state"].items():
         for key, value in state.items():
             assert torch.equal(saved["optimizer_states"][0]["state"][index][key], value), (index, key)
+
+
+def export_checkpoint(recipe: str, checkpoint: Path, out: Path, env: dict[str, str]) -> None:
+    """`python -m lightning_trn.recipes.<recipe> export ckpt=... out=...`, which must succeed."""
+    command = [sys.executable, "-m", f"lightning_trn.recipes.{recipe}", "export", f"ckpt={checkpoint}", f"out={out}"]
+    export = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr[-2000:]
+
+
+def run_without_standin(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -c code args` in a process where the stand-in is never loaded: what a GPU/CPU user of a checkpoint or
+    an export has."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_TRN_STANDIN")}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)

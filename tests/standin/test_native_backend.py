@@ -16,6 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn.runtime import get_runtime, select_backend
+from tests.recipe_runs import export_checkpoint, run_without_standin
 
 
 class RecordingModel(BoringModel):
@@ -160,7 +161,8 @@ def test_mlp_recipe_reaches_0_9_and_its_checkpoint_loads_without_the_stand_in(tm
         "state = torch.load(sys.argv[1], weights_only=True)['state_dict']\n"
         "print(sorted({str(t.device) for t in state.values()}))\n"
     )
-    loaded = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, check=True)
+    loaded = run_without_standin(code, str(checkpoint), cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert loaded.stdout.strip() == "['cpu']"
 
 
@@ -178,10 +180,7 @@ def test_vit_recipe_runs_natively_and_its_export_loads_without_the_stand_in(tmp_
     assert "lightning_trn: native backend" in run.stderr
     assert float(re.search(r"test_acc=([0-9.]+)", run.stdout).group(1)) > 0.2  # chance is 0.1
     checkpoint = tmp_path / "runs" / "vit" / "checkpoints" / "last.ckpt"
-    export = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.vit", "export", f"ckpt={checkpoint}",
-                             f"out={tmp_path / 'export'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert export.returncode == 0, export.stderr[-2000:]
+    export_checkpoint("vit", checkpoint, tmp_path / "export", env)
     code = (
         "import json, sys, torch\n"
         "from pathlib import Path\n"
@@ -200,9 +199,7 @@ def test_vit_recipe_runs_natively_and_its_export_loads_without_the_stand_in(tmp_
         "    torch.testing.assert_close(net(x.reshape(4, 1, 28, 28)), module.logits({'x': x}))\n"
         "print('EXPORT OK')\n"
     )
-    plain = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_TRN_STANDIN")}
-    loaded = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(tmp_path / "export")],
-                            cwd=Path(__file__).parents[2], env=plain, capture_output=True, text=True, timeout=120)
+    loaded = run_without_standin(code, str(checkpoint), str(tmp_path / "export"), cwd=Path(__file__).parents[2])
     assert "EXPORT OK" in loaded.stdout, loaded.stderr[-2000:]
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.recipe_runs import export_checkpoint, run_without_standin
+
 
 @pytest.mark.slow
 def test_llm_recipe_meets_the_bar_natively_with_activation_checkpointing(tmp_path) -> None:
@@ -25,15 +27,11 @@ def test_llm_recipe_meets_the_bar_natively_with_activation_checkpointing(tmp_pat
     printed = re.search(r"^\[llm\] val_ppl=([0-9.]+) unigram_ppl=([0-9.]+)$", run.stdout, re.MULTILINE)
     assert printed, run.stdout[-2000:]
     assert float(printed.group(1)) <= float(printed.group(2)) / 2
-    with open(tmp_path / "runs" / "llm" / "logs" / "metrics.csv") as f:
-        train_loss = [float(row["train_loss"]) for row in csv.DictReader(f) if row["train_loss"]]
+    train_loss = _train_losses(tmp_path / "runs" / "llm")
     assert len(train_loss) >= 10 and train_loss[-1] < train_loss[0] - 1.0, train_loss
 
     checkpoint = tmp_path / "runs" / "llm" / "checkpoints" / "last.ckpt"
-    export = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", "export", f"ckpt={checkpoint}",
-                             f"out={tmp_path / 'export'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert export.returncode == 0, export.stderr[-2000:]
+    export_checkpoint("llm", checkpoint, tmp_path / "export", env)
     code = (
         "import sys, torch\n"
         "assert torch._C._get_privateuse1_backend_name() == 'privateuseone'  # no stand-in here\n"
@@ -45,9 +43,7 @@ def test_llm_recipe_meets_the_bar_natively_with_activation_checkpointing(tmp_pat
         "assert out.shape[1] == prompt['input_ids'].shape[1] + 5\n"
         "print('GENERATED', tokenizer.decode(out[0]))\n"
     )
-    env_plain = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_TRN_STANDIN")}
-    loaded = subprocess.run([sys.executable, "-c", code, str(tmp_path / "export")], cwd=tmp_path, env=env_plain,
-                            capture_output=True, text=True, timeout=120)
+    loaded = run_without_standin(code, str(tmp_path / "export"), cwd=tmp_path)
     assert "GENERATED The acting is" in loaded.stdout, loaded.stderr[-2000:]
 
 
