@@ -4,9 +4,10 @@ docs/sharding.md) or a ZeRO-1 directory (`state_dict_type="sharded"`, docs/memor
 
 CPU only, no process group, no device. The output is Lightning's one-file checkpoint with the full optimizer state,
 CPU tensors only, written atomically: what `Trainer(accelerator="cpu" or "gpu").fit(..., ckpt_path=<output file>)`
-and `torch.load(..., weights_only=True)` load. A distributed checkpoint is read one tensor at a time (host memory: the
-largest tensor's chunks; the tensors pass through memory-mapped scratch files beside the output). `--safetensors`
-writes the model's weights as a Hugging Face safetensors file instead, names without `--strip-prefix`.
+and `torch.load(..., weights_only=True)` load. A distributed checkpoint's metadata is parsed once and its tensors are
+read in batches of up to 512 MiB, each straight into a memory-mapped scratch file beside the output (host memory: one
+chunk at a time; the page cache holds the rest). `--safetensors` writes the model's weights as a Hugging Face
+safetensors file instead (host memory: one batch), names without `--strip-prefix`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """No device-to-host transfer between logging intervals, with a logger and the progress bar on."""
 
+import csv
 import json
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
 
 from lightning_trn.pytorch.callbacks.progress_bar import HostSyncFreeMetricsMixin
 from lightning_trn.runtime import get_runtime
@@ -45,6 +48,57 @@ def test_no_transfers_between_logging_steps(tmp_path, bar, redraw_clock):
     shown = trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)
     assert isinstance(shown["train_loss"], float)
     assert trainer.logged_metrics["train_loss"] is not None
+
+
+class LogsThreeValues(RegressionModel):
+    """Three values per step: two on the progress bar and in the logger, one in the logger only."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.layer(x)
+        loss = nn.functional.mse_loss(out, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_mae", (out - y).abs().mean(), prog_bar=True)
+        self.log("out_mean", out.mean())
+        return loss
+
+
+class LoggingStepReads(Callback):
+    """Counters from the start of the first logging step's batch to the start of the next batch (the bar's read at
+    the batch's end and the logger's after it), that step's loss (a device tensor, read after `fit`) and what the
+    bar shows then (its cached values: no read)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == LOG_EVERY - 1:
+            self.before = get_runtime().metrics()
+        elif batch_idx == LOG_EVERY:
+            self.during = get_runtime().metrics() - self.before
+            self.shown = trainer.progress_bar_callback.get_metrics(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == LOG_EVERY - 1:
+            self.loss = outputs["loss"].detach()
+
+
+def test_a_logging_step_reads_all_its_values_in_one_transfer(tmp_path, redraw_clock):
+    """The bar shows two step values and the CSV logger writes three at the same logging step: one device->host
+    transfer for all of them (on the native backend one host sync), no `.item()` read; what both show is the step's
+    loss."""
+    reads = LoggingStepReads()
+    trainer = Trainer(accelerator="neuron", max_steps=LOG_EVERY + 1, log_every_n_steps=LOG_EVERY,
+                      default_root_dir=tmp_path, logger=CSVLogger(tmp_path, name="csv"), enable_checkpointing=False,
+                      enable_model_summary=False, callbacks=[reads, redraw_clock.advance_per_batch(0.06)])
+    trainer.fit(LogsThreeValues())
+
+    # XLA: every transfer is a host sync; native: the copies are queued and waited for once
+    assert reads.during.host_syncs == 1 and reads.during.scalar_reads == 0
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        (row,) = [row for row in csv.DictReader(f) if row["step"] == str(LOG_EVERY - 1)]
+    assert {name for name, value in row.items() if value} == {"epoch", "step", "train_loss", "train_mae", "out_mean"}
+    loss = reads.loss.item()
+    assert float(row["train_loss"]) == pytest.approx(loss, rel=1e-6)
+    assert reads.shown["train_loss"] == pytest.approx(loss, rel=1e-6)
+    assert reads.shown["train_mae"] == pytest.approx(float(row["train_mae"]), rel=1e-6)
 
 
 def test_progress_bar_metrics_are_numbers_after_fit(tmp_path):

@@ -9,10 +9,15 @@ Local writes are atomic and durable: temp file in the target's directory, fsync,
 filesystem, e.g. a tmpfs `/tmp`, the final move is a copy into the target, and a kill mid-copy truncates it.)
 Remote paths (`s3://` ...) go through Lightning's fsspec writer.
 
-A sharded ZeRO-1 checkpoint is a directory (`lightning_trn.core.zero1`): loading it reads every rank's file and gives
-the checkpoint with the full optimizer state, as a full checkpoint would. So does loading a torch.distributed.checkpoint
-directory written by a sharded strategy (`lightning_trn.core.distributed_checkpoint`): a sharded run resumes on one
-device, the CPU or a GPU.
+Local checkpoint files are memory-mapped (`torch.load(mmap=True)`): a ZeRO-1 rank that resumes a full checkpoint reads
+only its own slices of the optimizer state, not the whole file.
+
+A sharded ZeRO-1 checkpoint is a directory (`lightning_trn.core.zero1`): loading it gives the checkpoint with the full
+optimizer state, as a full checkpoint would, except under a ZeRO-1 strategy (`zero1_shard` set), where each rank gets
+only its own chunks: from its own file alone at the saved world size, sliced from the memory-mapped files that hold
+them at another. Loading a torch.distributed.checkpoint directory written by a sharded strategy
+(`lightning_trn.core.distributed_checkpoint`) also gives the full checkpoint: a sharded run resumes on one device, the
+CPU or a GPU.
 
 The train loaders' resume positions (`DevicePrefetchLoader.state_dict`) are stored under their own top-level key
 instead of Lightning's fit-loop state: a CPU/GPU run, whose plain DataLoader is not stateful, would otherwise refuse
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import zipfile
 from typing import Any, Callable, Optional
 
 import torch
@@ -144,7 +150,13 @@ class NeuronCheckpointIO(TorchCheckpointIO):
 
     `weights_only=True` makes `torch.load` refuse pickled code (any global outside torch's allow-list), so a
     tampered checkpoint raises instead of running; pass `weights_only=False` only for checkpoints you trust.
+
+    Attributes:
+        zero1_shard: `(rank, world_size)` of a ZeRO-1 strategy's process (it sets it): sharded ZeRO-1 directories then
+            load as that rank's chunks (`lightning_trn.core.zero1.consolidate`), not as full tensors.
     """
+
+    zero1_shard: Optional[tuple[int, int]] = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -167,11 +179,19 @@ class NeuronCheckpointIO(TorchCheckpointIO):
         if is_distributed_checkpoint(path):  # a sharded strategy's directory, loaded whole on one device
             checkpoint = load_consolidated(path)
         elif os.path.isdir(path) and os.path.isfile(main):
-            checkpoint = super().load_checkpoint(main, map_location=map_location, weights_only=weights_only)
+            checkpoint = self._load_file(main, map_location, weights_only)
             checkpoint = consolidate(
                 checkpoint, os.fspath(path), lambda file: torch.load(file, map_location="cpu", weights_only=True,
                                                                      mmap=True),
+                shard=self.zero1_shard,
             )
         else:
-            checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            checkpoint = self._load_file(path, map_location, weights_only)
         return unstash_loader_states(checkpoint)
+
+    def _load_file(self, path: _PATH, map_location: Optional[Callable], weights_only: bool) -> dict[str, Any]:
+        """A local zip-format file memory-mapped (its tensors read when used), anything else as Lightning loads it."""
+        fs, local_path = url_to_fs(str(path))
+        if isinstance(fs, LocalFileSystem) and os.path.isfile(local_path) and zipfile.is_zipfile(local_path):
+            return torch.load(local_path, map_location=map_location, weights_only=weights_only, mmap=True)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)

@@ -17,6 +17,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_trn.core.checkpoint_io import atomic_local_save, to_portable
+from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.precision import NeuronPrecisionCore
 from lightning_trn.core.process_group import ProcessGroupCore
 from lightning_trn.core.zero1 import (
@@ -73,6 +74,9 @@ class DataParallelCore(ProcessGroupCore):
         self._claim_device()
         self._setup_distributed()
         super().setup_environment()  # type: ignore[misc]
+        io = self.checkpoint_io  # type: ignore[attr-defined]
+        if self.zero1 and isinstance(io, NeuronCheckpointIO):  # a resume reads only this rank's optimizer chunks
+            io.zero1_shard = (self.global_rank, self.world_size)  # type: ignore[attr-defined]
 
     def _broadcast_module_states(self, model: Module) -> None:
         """Start every rank from rank 0's parameters and buffers, whatever each process's seed."""
@@ -102,13 +106,15 @@ class DataParallelCore(ProcessGroupCore):
         if gradients:
             self.collectives.reduce_gradients(gradients)
 
+    def _saves_sharded(self) -> bool:
+        return self.state_dict_type == "sharded"
+
     def _split_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> tuple[dict[str, Any], Any]:
         """Sharded ZeRO-1 checkpoints are directories: this rank writes its chunks to `<path>/zero1-rank<r>.pt` now;
-        rank 0 writes the rest to `<path>/checkpoint.pt`."""
-        if self.state_dict_type != "sharded":
+        rank 0 writes the rest to `<path>/checkpoint.pt` (`path`: the save's staging directory,
+        `lightning_trn.core.sharded_save`)."""
+        if not self._saves_sharded():
             return checkpoint, path
-        if "://" in str(path):
-            raise ValueError(f"Sharded ZeRO-1 checkpoints are written to local directories, not {path}.")
         checkpoint, chunks = split_chunks(checkpoint)
         atomic_local_save(to_portable({"chunks": chunks}), os.path.join(path, chunk_file(self.global_rank)))
         return checkpoint, os.path.join(path, SHARDED_MAIN_FILE)

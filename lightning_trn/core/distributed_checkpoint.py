@@ -1,7 +1,9 @@
 """Reading the torch.distributed.checkpoint (DCP) directories that sharded strategies write, on the CPU, without a
 process group or a device: the whole checkpoint in Lightning's one-file format (`load_consolidated`, which
-`NeuronCheckpointIO` uses to resume a sharded run on one device, the CPU or a GPU), or written to a file one tensor at
-a time (`write_consolidated`, `python -m lightning_trn.consolidate`), also as a Hugging Face safetensors file.
+`NeuronCheckpointIO` uses to resume a sharded run on one device, the CPU or a GPU), or written to a file batch by batch
+(`write_consolidated`, `python -m lightning_trn.consolidate`), also as a Hugging Face safetensors file. The metadata
+is parsed once per directory, and tensor entries are read in batches (`BATCH_BYTES`), so a read opens each shard file
+once per batch, not once per entry.
 
 A directory holds `.metadata` (every entry's shape, dtype and where its chunks are), one `__<rank>_0.distcp` file
 per rank, and `meta.pt` from rank 0 (Lightning's loops, callbacks and the ranks' random state). Entries are
@@ -13,13 +15,14 @@ the parameter's position, as `optimizer.state_dict()` does. Non-tensor entries l
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import struct
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -31,6 +34,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 METADATA_FILE = ".metadata"
 #: the rest of Lightning's checkpoint, written beside the shards by rank 0 (Trainer and Fabric)
 LIGHTNING_META_FILE = "meta.pt"
+#: how many bytes of tensor entries one read brings to the host at most (an entry larger than that is read alone):
+#: each read opens every shard file it touches once, so few large batches instead of one read per entry, while the
+#: host holds one batch
+BATCH_BYTES = 512 * 2**20
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 #: safetensors' dtype names
 _SAFETENSORS_DTYPES = {
@@ -55,35 +62,71 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
+class _MetadataOnceReader(FileSystemReader):
+    """DCP's file-system reader with `.metadata` parsed on the first request only. `dcp.load` asks its reader for
+    the metadata on every call, and a sharded checkpoint's metadata lists every chunk of every entry (6.7 MB for
+    Llama-3-8B's layout on 64 ranks), so one parse per load made reading a directory O(entries x metadata)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._metadata: Optional[Metadata] = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _nbytes(md: TensorStorageMetadata) -> int:
+    return math.prod(md.size) * md.properties.dtype.itemsize
+
+
 class DistributedCheckpointReader:
-    """One DCP directory, read entry by entry on the host (no process group)."""
+    """One DCP directory, read on the host (no process group): its metadata parsed once, tensor entries read in
+    batches of at most `BATCH_BYTES`."""
 
     def __init__(self, path: Any) -> None:
         self.path = os.fspath(path)
-        self.metadata: Metadata = FileSystemReader(self.path).read_metadata()
+        self._storage = _MetadataOnceReader(self.path)
+        self.metadata: Metadata = self._storage.read_metadata()
+        entries = self.metadata.state_dict_metadata.items()
+        self._tensors = {key: md for key, md in entries if isinstance(md, TensorStorageMetadata)}
 
     def tensors(self) -> dict[str, TensorStorageMetadata]:
-        """Every tensor entry (flattened key) and its global shape and dtype."""
-        entries = self.metadata.state_dict_metadata.items()
-        return {key: md for key, md in entries if isinstance(md, TensorStorageMetadata)}
+        """Every tensor entry (flattened key) and its global shape and dtype (the reader's own dict: read only)."""
+        return self._tensors
 
     def load(self, entries: dict[str, Any]) -> dict[str, Any]:
         """Fill `entries` (flattened key -> a CPU tensor of the entry's shape to copy into, or None for a non-tensor
-        entry) from the directory; returns it. Reads only those entries' chunks."""
+        entry) from the directory; returns it. Reads only those entries' chunks, each shard file opened once."""
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            load(entries, storage_reader=FileSystemReader(self.path), planner=_WeightsOnlyPlanner(), no_dist=True)
+            load(entries, storage_reader=self._storage, planner=_WeightsOnlyPlanner(), no_dist=True)
         return entries
 
-    def load_tensor(self, key: str, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One tensor entry, whole, into `into` or a new CPU tensor."""
-        md = self.tensors()[key]
-        tensor = torch.empty(md.size, dtype=md.properties.dtype) if into is None else into
-        return self.load({key: tensor})[key]
+    def read_tensors(
+        self, keys: Iterable[str], allocate: Optional[Callable[[str, TensorStorageMetadata], torch.Tensor]] = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, whole tensor) for the tensor entries `keys`, in order, read a batch at a time: entries in order up to
+        `BATCH_BYTES` together (a larger one alone), one load each, into `allocate(key, metadata)` or new CPU
+        tensors. The host holds one batch, as long as the caller keeps nothing it was given."""
+        batch: dict[str, Any] = {}
+        size = 0
+        for key in keys:
+            md = self._tensors[key]
+            nbytes = _nbytes(md)
+            if batch and size + nbytes > BATCH_BYTES:
+                yield from self.load(batch).items()
+                batch, size = {}, 0
+            batch[key] = torch.empty(md.size, dtype=md.properties.dtype) if allocate is None else allocate(key, md)
+            size += nbytes
+        if batch:
+            yield from self.load(batch).items()
 
     def non_tensors(self) -> dict[str, Any]:
-        """Every non-tensor entry (hyperparameters of the optimizers' groups, step counters saved as numbers)."""
-        keys = [key for key in self.metadata.state_dict_metadata if key not in self.tensors()]
+        """Every non-tensor entry (hyperparameters of the optimizers' groups, step counters saved as numbers), in one
+        load."""
+        keys = [key for key in self.metadata.state_dict_metadata if key not in self._tensors]
         return self.load(dict.fromkeys(keys)) if keys else {}
 
     def path_of(self, key: str) -> tuple:
@@ -152,16 +195,16 @@ def load_consolidated(path: Any) -> dict[str, Any]:
     saved: dict[str, Any] = {}
     for key, value in reader.non_tensors().items():
         _set(saved, reader.path_of(key), value)
-    for key in reader.tensors():
-        _set(saved, reader.path_of(key), reader.load_tensor(key))
+    for key, tensor in reader.read_tensors(reader.tensors()):
+        _set(saved, reader.path_of(key), tensor)
     return _one_file_format(saved, reader.lightning_meta())
 
 
 def write_consolidated(path: Any, output: Any) -> None:
-    """Write DCP directory `path` as one checkpoint file (Lightning's format, `torch.load(weights_only=True)`), one
-    tensor at a time: each is read straight into a memory-mapped scratch file beside `output` (the host holds one
-    tensor's chunks at a time; the page cache holds the rest and can write it out), then `torch.save` streams them
-    into the file, which replaces `output` atomically."""
+    """Write DCP directory `path` as one checkpoint file (Lightning's format, `torch.load(weights_only=True)`), batch
+    by batch: each tensor is read straight into a memory-mapped scratch file beside `output` (the host holds one chunk
+    at a time; the page cache holds the rest and can write it out), then `torch.save` streams them into the file,
+    which replaces `output` atomically."""
     from lightning_trn.core.checkpoint_io import atomic_local_save, stash_loader_states
 
     reader = DistributedCheckpointReader(path)
@@ -172,13 +215,14 @@ def write_consolidated(path: Any, output: Any) -> None:
         saved: dict[str, Any] = {}
         for key, value in reader.non_tensors().items():
             _set(saved, reader.path_of(key), value)
-        for index, (key, md) in enumerate(reader.tensors().items()):
-            numel = 1
-            for size in md.size:
-                numel *= size
-            file = os.path.join(scratch, str(index))
-            mapped = torch.from_file(file, shared=True, size=numel, dtype=md.properties.dtype).view(md.size)
-            _set(saved, reader.path_of(key), reader.load_tensor(key, into=mapped))
+        files = {key: os.path.join(scratch, str(index)) for index, key in enumerate(reader.tensors())}
+
+        def scratch_tensor(key: str, md: TensorStorageMetadata) -> torch.Tensor:
+            size = math.prod(md.size)
+            return torch.from_file(files[key], shared=True, size=size, dtype=md.properties.dtype).view(md.size)
+
+        for key, tensor in reader.read_tensors(files, scratch_tensor):
+            _set(saved, reader.path_of(key), tensor)
         # as every one-file checkpoint of lightning_trn: the train loaders' resume positions under their own key, so
         # a CPU/GPU run (plain, stateless DataLoaders) accepts the file (`lightning_trn.core.checkpoint_io`)
         atomic_local_save(stash_loader_states(_one_file_format(saved, reader.lightning_meta())), output)
@@ -199,7 +243,8 @@ def model_tensors(reader: DistributedCheckpointReader, prefix: str = "") -> Iter
 def write_safetensors(path: Any, output: Any, prefix: str = "") -> int:
     """Write the model weights of DCP directory `path` as a safetensors file (Hugging Face's format), names without
     `prefix` (e.g. "model." for a LightningModule holding the Hugging Face model as `self.model`): the header first
-    (shapes and dtypes are in the metadata), then one tensor at a time. Returns how many tensors."""
+    (shapes and dtypes are in the metadata), then the tensors batch by batch (the host holds one batch). Returns how
+    many tensors."""
     reader = DistributedCheckpointReader(path)
     tensors = reader.tensors()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -209,10 +254,7 @@ def write_safetensors(path: Any, output: Any, prefix: str = "") -> int:
         md = tensors[key]
         if md.properties.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: safetensors has no dtype for {md.properties.dtype}.")
-        numel = 1
-        for size in md.size:
-            numel *= size
-        nbytes = numel * md.properties.dtype.itemsize
+        nbytes = _nbytes(md)
         header[name] = {"dtype": _SAFETENSORS_DTYPES[md.properties.dtype], "shape": list(md.size),
                         "data_offsets": [offset, offset + nbytes]}
         order.append(key)
@@ -223,8 +265,8 @@ def write_safetensors(path: Any, output: Any, prefix: str = "") -> int:
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        for key in order:
-            f.write(reader.load_tensor(key).contiguous().reshape(-1).view(torch.uint8).numpy())
+        for _, tensor in reader.read_tensors(order):
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, output)

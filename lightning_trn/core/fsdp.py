@@ -18,6 +18,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+import torch
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 
@@ -29,8 +30,8 @@ SHARDING_STRATEGIES = {
     "HYBRID_SHARD": (True, True),
     "_HYBRID_SHARD_ZERO2": (False, True),
 }
-#: FSDP1 keyword arguments accepted and ignored: FSDP2 behaves as they ask (original parameters, the same states on
-#: every rank after the seeded init, prefetching by default)
+#: FSDP1 keyword arguments accepted and ignored: FSDP2 behaves as they ask (original parameters, replicated states
+#: broadcast from the first rank at setup by `ModelParallelCore`, prefetching by default)
 IGNORED_KWARGS = ("use_orig_params", "sync_module_states", "limit_all_gathers", "forward_prefetch",
                   "backward_prefetch")
 #: what a Lightning `FSDPStrategy` object holds, by our argument's name
@@ -107,6 +108,17 @@ def mixed_precision_policy(mixed_precision: Any) -> Any:
     return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype)
 
 
+def reduction_policy(mp_policy: Optional[Any], precision: str) -> Optional[Any]:
+    """The `MixedPrecisionPolicy` to shard with: the user's, or under `bf16-true` without one, gradients
+    reduce-scattered in fp32 (FSDP2 would reduce in the parameters' bf16: a 64-way bf16 sum is off by about 1e-2
+    relative, against the single bf16 rounding of the fp32 sum's result, as TorchTitan's `reduce_dtype=float32`)."""
+    if mp_policy is not None or precision != "bf16-true":
+        return mp_policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+
+
 def offload_policy(cpu_offload: Union[bool, Any, None]) -> Any:
     """FSDP2's `CPUOffloadPolicy` for FSDP1's `cpu_offload` (True or `CPUOffload(offload_params=True)`), or None."""
     if not getattr(cpu_offload, "offload_params", cpu_offload):
@@ -158,7 +170,7 @@ class FSDPCore:
             shards; "full": one file of CPU tensors assembled on rank 0.
         cpu_offload: keep the sharded parameters and the optimizer step on the host (FSDP2's `CPUOffloadPolicy`).
         mixed_precision: FSDP1's `MixedPrecision`: its parameter and reduction dtypes become FSDP2's
-            `MixedPrecisionPolicy`.
+            `MixedPrecisionPolicy`. Without it, `precision="bf16-true"` reduces gradients in fp32.
         device_mesh: for the hybrid strategies, `(replicas, shards)`; by default (nodes, devices per node).
         process_group_backend: `torch.distributed` backend of the default group (`neuron`).
         timeout: timeout of the process groups.
@@ -213,9 +225,12 @@ class FSDPCore:
         super()._check_mesh_sizes()  # type: ignore[misc]
 
     def _shard(self, module: Module) -> Module:
-        """Activation checkpointing by policy, then `fully_shard` by `auto_wrap_policy` and on `module` itself."""
+        """Activation checkpointing by policy, then `fully_shard` by `auto_wrap_policy` and on `module` itself (with
+        `bf16-true` and no `mixed_precision`, gradients reduced in fp32: `reduction_policy`)."""
         self._apply_activation_checkpointing(module)  # type: ignore[attr-defined]
         mesh = self.device_mesh  # type: ignore[attr-defined]
+        precision = getattr(self._neuron_precision(), "precision", None)  # type: ignore[attr-defined]
         shard_by_policy(module, mesh if self._replicate_and_shard else mesh["data_parallel"], self._auto_wrap_policy,
-                        self._reshard_after_forward, self._mp_policy, self._offload, forward_methods=STEP_METHODS)
+                        self._reshard_after_forward, reduction_policy(self._mp_policy, precision), self._offload,
+                        forward_methods=STEP_METHODS)
         return module

@@ -9,11 +9,16 @@ process, the default group is the runtime's `neuron` backend and host objects go
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 
@@ -54,14 +59,20 @@ def lightning_model_parallel_arguments(strategy: Any) -> dict[str, Any]:
     return arguments
 
 
-def _shard_of(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's part of `full` (every rank holds the same) as `like` holds it: a DTensor's local shard, on the
-    device (no communication), or all of it."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+def _local_part(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's part of `full` (a host tensor every rank holds alike) as `like` holds it, without copying: a
+    DTensor's local shard is the block `compute_local_shape_and_global_offset` gives (the blocks DCP saves and loads),
+    anything else is all of it. So only the shard travels to the device."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(like, DTensor):
         return full
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
+    part = full
+    for dim, (size, start) in enumerate(zip(shape, offset)):
+        part = part.narrow(dim, start, size)
+    return part
 
 
 #: a module's own initialization of the submodules it was built with on the meta device, used by `materialize`:
@@ -110,39 +121,165 @@ def _run_on_host(submodule: Module, init: Callable[[Module], None]) -> dict[str,
             (submodule._parameters if name in submodule._parameters else submodule._buffers)[name] = tensor
 
 
-def materialize(module: Module, device: torch.device) -> None:
+#: a host-built module's values by submodule and name, taken by `host_values_to_meta` for `materialize`
+HostValues = dict[Module, dict[str, Tensor]]
+
+
+def _copy_shards(submodule: Module, values: dict[str, Tensor]) -> None:
+    """Copy this rank's part of each full-size host value into the submodule's tensor of that name: only the part
+    crosses to the device."""
+    own = _own_tensors(submodule)
+    with torch.no_grad():
+        for name, full in values.items():
+            tensor = own[name]
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            local.copy_(_local_part(full, tensor))
+
+
+def materialize(
+    module: Module, device: torch.device, seed_checkpoint: Optional[_PATH] = None,
+    host_values: Optional[HostValues] = None,
+) -> None:
     """Give a module built on the meta device (`init_module(empty_init=True)`) and then sharded its values on the
     device: each submodule's `reset_parameters()` runs on full-size CPU tensors, from the CPU generator that every rank
-    seeded the same, and each rank keeps its shard. The weights are those of the unsharded module initialised on the
-    CPU, whatever the mesh, and no random op runs on DTensors (TorchNeuron's generator does not serve DTensor's
-    offset-based random streams). Host memory: one submodule's own tensors at full size.
+    seeded the same, and each rank copies only its shard to the device (a slice of the host tensor). The weights are
+    those of the unsharded module initialised on the CPU, whatever the mesh, and no random op runs on DTensors
+    (TorchNeuron's generator does not serve DTensor's offset-based random streams). Host memory: one submodule's own
+    tensors at full size; host time: every rank draws every full-size tensor (`seed_checkpoint` avoids that).
 
     A module with a `materialization_steps()` method (`MATERIALIZATION_STEPS`) initializes the submodules it names
     its own way instead, in its order (a submodule may come more than once, e.g. to draw what eager construction drew
-    before the final init; it is copied to the device after its last step); `reset_parameters()` serves the rest."""
+    before the final init; it is copied to the device after its last step); `reset_parameters()` serves the rest.
+
+    Args:
+        seed_checkpoint: a directory of `write_seed_checkpoint`: each rank reads its shards from it instead
+            (`load_seed_checkpoint`), nothing is drawn.
+        host_values: full-size host values of submodules (`host_values_to_meta`), copied instead of initialized.
+    """
     if not _has_meta_device_parameters_or_buffers(module):
         return
     # `to_empty` on the meta tensors only: it would empty every tensor `_apply` reaches, torchmetrics' states
     # included (a recipe's running validation sums). FSDP2 re-points its sharded parameters in its `_apply`.
     module._apply(lambda tensor: torch.empty_like(tensor, device=device) if tensor.is_meta else tensor)
+    if seed_checkpoint is not None:
+        load_seed_checkpoint(module, seed_checkpoint)
+        return
+    host_values = dict(host_values or {})
     hook = getattr(module, MATERIALIZATION_STEPS, None)
-    steps: list[InitStep] = list(hook()) if callable(hook) else []
-    default, uninitialized = _reset_parameters_steps(module, {submodule for submodule, _ in steps})
+    steps = [step for step in (hook() if callable(hook) else []) if step[0] not in host_values]
+    default, uninitialized = _reset_parameters_steps(module, {submodule for submodule, _ in steps} | set(host_values))
     steps += default
     last = {submodule: index for index, (submodule, _) in enumerate(steps)}
     for index, (submodule, init) in enumerate(steps):
         initialized = _run_on_host(submodule, init)
-        if last[submodule] != index:
-            continue  # drawn again later: only the last step's values reach the device
-        with torch.no_grad():
-            for name, tensor in _own_tensors(submodule).items():
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                local.copy_(_shard_of(initialized[name].to(device), tensor))
+        if last[submodule] == index:  # one drawn again later reaches the device after its last step only
+            _copy_shards(submodule, initialized)
+    while host_values:  # each host tensor released once its shard is on the device
+        _copy_shards(*host_values.popitem())
     if uninitialized:
         rank_zero_warn(
             "Parameter initialization incomplete. These modules have parameters or buffers with uninitialized memory "
             f"because they don't define a `reset_parameters()` method: {', '.join(sorted(uninitialized))}"
         )
+
+
+def host_values_to_meta(module: Module) -> HostValues:
+    """Put a module's host (CPU) parameters and buffers on the meta device, tied ones staying tied, and return their
+    values for `materialize`. Sharding the meta module and then materializing it sends each rank only its shards to
+    the device, where moving the host-built module first would send all of it."""
+    values: HostValues = {}
+    on_meta: dict[int, Tensor] = {}
+    for submodule in module.modules():
+        for name, tensor in _own_tensors(submodule).items():
+            if tensor.device.type != "cpu":
+                continue
+            values.setdefault(submodule, {})[name] = tensor.detach()
+            if id(tensor) not in on_meta:
+                meta = torch.empty_like(tensor, device="meta")
+                is_parameter = isinstance(tensor, torch.nn.Parameter)
+                on_meta[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if is_parameter else meta
+            (submodule._parameters if name in submodule._parameters else submodule._buffers)[name] = on_meta[id(tensor)]
+    return values
+
+
+def _state_to_seed(module: Module) -> dict[str, Tensor]:
+    """What a seed checkpoint holds: every parameter and buffer by name, non-persistent buffers included (they are
+    not in `state_dict()`, and a meta-built module has no values for them either)."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def write_seed_checkpoint(module_factory: Callable[[], Module], path: _PATH) -> Path:
+    """Build the model once, in this process, and write its initial parameters and buffers as a
+    torch.distributed.checkpoint directory at `path`, for `materialize(..., seed_checkpoint=path)` (the strategies'
+    `seed_checkpoint=path`): then no rank draws full-size tensors on its host at setup, each reads its shards.
+
+    `module_factory()` returns the module the strategy gets (the LightningModule for the Trainer, the model for
+    `fabric.setup`), seeded as the training script seeds it; built on the meta device it is materialized here on the
+    host first. Run it in one process, before training (as TorchTitan's `create_seed_checkpoint`). Returns the
+    directory."""
+    import torch.distributed.checkpoint as dcp
+
+    module = module_factory()
+    materialize(module, torch.device("cpu"))
+    state = {name: tensor.detach() for name, tensor in _state_to_seed(module).items()}
+    with _one_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    return Path(path)
+
+
+def load_seed_checkpoint(module: Module, path: _PATH) -> None:
+    """Read `module`'s parameters and buffers (DTensors: this rank's shards only) from a `write_seed_checkpoint`
+    directory, in place, on every rank independently (no collective).
+
+    Raises:
+        ValueError: the directory lacks some of the module's tensors (written from another module).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state = {name: tensor.detach() for name, tensor in _state_to_seed(module).items()}
+    reader = dcp.FileSystemReader(path)
+    missing = sorted(set(state) - set(reader.read_metadata().state_dict_metadata))
+    if missing:
+        raise ValueError(
+            f"The seed checkpoint {str(path)!r} has no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)} of the module's {len(state)} parameters and buffers). Write it with "
+            "`write_seed_checkpoint` from a factory that builds the module the strategy gets: the LightningModule "
+            "for the Trainer, the model passed to `fabric.setup` for Fabric."
+        )
+    with _one_process():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+
+
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """Quiet torch.distributed.checkpoint's warning that it runs without collectives: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def broadcast_replicated(module: Module, device: torch.device) -> None:
+    """Make what every rank holds alike equal to the first rank's, in place: plain (non-DTensor) parameters and
+    buffers over all ranks, and the local tensor of each DTensor over every mesh dimension it is replicated on (HSDP's
+    replicate dimension, NO_SHARD, replicated tensor-parallel weights). Each rank drew these from its own generator,
+    so one rank that drew once more than the others (a data loader, a dropout) would otherwise train diverging
+    replicas unnoticed. Costs one broadcast per such tensor at setup; sharded tensors, and tensors not on `device`'s
+    type (offloaded to the host), are not touched."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    tensors = {id(tensor): tensor for tensor in [*module.parameters(), *module.buffers()]}
+    with torch.no_grad():
+        for tensor in tensors.values():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor.detach()
+            if local.device.type != device.type:
+                continue
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(local, src=0)
+                continue
+            for dim, placement in enumerate(tensor.placements):
+                if isinstance(placement, Replicate):
+                    dist.broadcast(local, group=tensor.device_mesh.get_group(dim), group_src=0)
 
 
 class ModelParallelCore(ProcessGroupCore):
@@ -159,6 +296,14 @@ class ModelParallelCore(ProcessGroupCore):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_shards_models(get_runtime(), type(self).__name__)
         super().__init__(*args, **kwargs)
+
+    def _saves_sharded(self) -> bool:
+        return self._save_distributed_checkpoint  # type: ignore[attr-defined]
+
+    def _broadcast_replicated(self, module: Module) -> None:
+        """`broadcast_replicated` over this run's ranks: what FSDP1's `sync_module_states=True` asked for, always."""
+        if self.world_size > 1:  # type: ignore[attr-defined]
+            broadcast_replicated(module, self.root_device)  # type: ignore[attr-defined]
 
     def _configure_launcher(self) -> None:
         """Called once the devices and nodes are known (at `Trainer(...)` / `Fabric(...)`): check the mesh fits."""

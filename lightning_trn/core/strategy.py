@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -19,6 +20,7 @@ from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoad
 from lightning_trn.core.random_state import (
     RANDOM_STATE_VERSION, base_device_seed, host_states, not_exact_notice, rank_entry, set_host_states, step_seed,
 )
+from lightning_trn.core.sharded_save import staged_directory
 from lightning_trn.hooks.metric_states import place_scalars
 from lightning_trn.runtime import DeviceRuntime, get_runtime
 
@@ -153,6 +155,17 @@ class NeuronStrategyCore:
         """Called on every rank before rank 0 writes `checkpoint` to `path`: what rank 0 writes where (sharded
         ZeRO-1 checkpoints write each rank's part here)."""
         return checkpoint, path
+
+    def _saves_sharded(self) -> bool:
+        """Whether checkpoints are directories every rank writes part of."""
+        return False
+
+    def _save_destination(self, path: Any) -> AbstractContextManager[Any]:
+        """Where this rank saves a checkpoint for `path`: `path` itself; for a sharded checkpoint a staging directory
+        that replaces `path` atomically once every rank is done (`lightning_trn.core.sharded_save`)."""
+        if self._saves_sharded():
+            return staged_directory(path, self.global_rank, self.barrier)  # type: ignore[attr-defined]
+        return nullcontext(path)
 
     def _after_update(self, optimizer: Any) -> None:
         """Hook after the optimizer's update, before the step's graph cut (ZeRO-1 gathers the parameters)."""

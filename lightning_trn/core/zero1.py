@@ -2,31 +2,34 @@
 
 Every parameter is flattened, padded to a multiple of the world size N and cut into N equal chunks; rank r's optimizer
 holds one fp32 Parameter per module parameter, its chunk r, so its state (Adam's moments) is 1/N of the unsharded one.
-A step: the gradients are reduce-scattered (each rank receives the average of its chunks), clipped with the norm over
+A step: the gradients are reduce-scattered in fp32 whatever the parameters' dtype (`REDUCE_DTYPE`: a 64-way bf16 sum
+loses about 2 significant bits), each rank receiving the average of its chunks; they are clipped with the norm over
 all shards, the optimizer updates the chunks, and the parameters are all-gathered back in their own dtype (bf16
 parameters are rounded from the fp32 chunks, stochastically where bf16-true rounds in software). The collectives are
 the runtime's (`lightning_trn.runtime.collectives`): `xm` ops inside the step's graph on Neuron, gloo on XLA:CPU, the
 `neuron` process group natively.
 
 The optimizer stays the user's object: its param groups (and so LR schedulers) keep their hyperparameters, only
-`params` hold the chunks; `state_dict()` returns the full state in the unsharded optimizer's format (CPU tensors,
-gathered over the host group, so every rank must call it, as checkpointing does) and `load_state_dict()` takes that
-format from any world size, plain DDP or one device. bf16 parameters add their fp32 masters to it
-(`MASTER_WEIGHT`), so a resume is exact. Only optimizers that update each element on its own are sharded
-(`REFUSED`).
+`params` hold the chunks; `state_dict()` returns the full state in the unsharded optimizer's format (CPU tensors) on
+rank 0, gathered to it bucket by bucket over the host group (every rank must call it, as checkpointing does; the other
+ranks only send their chunks and get a stub without them, `GATHERED_ON`: only rank 0 writes a one-file checkpoint).
+`load_state_dict()` takes that format from any world size, plain DDP or one device. bf16 parameters add their fp32
+masters to it (`MASTER_WEIGHT`), so a resume is exact. Only optimizers known to update each element on its own are
+sharded (`ELEMENTWISE`; others opt in with `allow_zero1_optimizer`).
 
 Sharded checkpoints (`state_dict_type="sharded"`) skip the gather: `state_dict()` then holds this rank's chunks as
 `{CHUNK: tensor, ...}` markers; the strategy writes them to `<checkpoint dir>/zero1-rank<r>.pt` on every rank and
 the rest to `<checkpoint dir>/checkpoint.pt` (`split_chunks`). Loading (`NeuronCheckpointIO`, or
-`python -m lightning_trn.consolidate`) puts the full tensors back from all ranks' files (`consolidate`), so a sharded
-checkpoint resumes on any world size too.
+`python -m lightning_trn.consolidate`) resolves the markers from memory-mapped chunk files (`consolidate`): a ZeRO-1
+rank gets only its own chunk (at the saved world size read from its own file alone, at another one sliced from the
+files that hold it), anything else the full tensors, so a sharded checkpoint resumes on any world size too.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -35,12 +38,24 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
-from lightning_trn.runtime.collectives import Collectives, buckets
+from lightning_trn.runtime.collectives import BUCKET_BYTES, Collectives, buckets
+from lightning_trn.runtime.host_collectives import HostCollectives
 
 #: per-parameter key of the optimizer state that carries the fp32 master weight of a bf16 parameter
 MASTER_WEIGHT = "zero1_master_weight"
-#: optimizers whose update of an element depends on other elements of the tensor (or that re-evaluate a closure)
-REFUSED = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
+#: optimizers whose update of an element depends only on that element's gradient and state (Lion: lion-pytorch's
+#: class, matched by name); any other is refused unless registered with `allow_zero1_optimizer`
+ELEMENTWISE: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad,
+)
+ELEMENTWISE_NAMES = ("Lion",)
+#: optimizer classes registered by `allow_zero1_optimizer`
+_ALLOWED: set[type] = set()
+#: the dtype gradients are reduce-scattered in (TorchTitan's `reduce_dtype`)
+REDUCE_DTYPE = torch.float32
+#: key of the stub that `state_dict()` returns on ranks other than the one a full state was gathered to
+GATHERED_ON = "zero1_state_gathered_on_rank"
 
 #: a sharded state dict's placeholder of one chunked tensor: {CHUNK: the chunk (index into the rank's file once
 #: split), "numel": the parameter's element count, "shape": its shape, "world_size": how many chunks there are}
@@ -54,6 +69,21 @@ _SHARDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: how a strategy turns an fp32 chunk into a parameter's dtype (`NeuronPrecisionCore.round_parameter`)
 Rounding = Callable[[Tensor, torch.dtype], Tensor]
+
+
+def allow_zero1_optimizer(optimizer_class: type[Optimizer]) -> None:
+    """Let ZeRO-1 shard optimizers of exactly this class (not its subclasses), which `ELEMENTWISE` does not list.
+
+    Only for optimizers whose update of each element reads nothing but that element's gradient and state: ZeRO-1 runs
+    the optimizer on 1/N of each tensor, so per-tensor norms or shapes (LAMB, LARS, Adam-mini, Shampoo, Adafactor,
+    Muon) would silently be those of the chunk.
+    """
+    _ALLOWED.add(optimizer_class)
+
+
+def _is_elementwise(optimizer: Optimizer) -> bool:
+    cls = type(optimizer)
+    return cls in ELEMENTWISE or cls in _ALLOWED or cls.__name__ in ELEMENTWISE_NAMES
 
 
 def sharding_of(optimizer: Optimizer) -> Optional[Zero1Sharding]:
@@ -100,9 +130,21 @@ def split_chunks(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[Tenso
     return _map_markers(checkpoint, take), chunks
 
 
-def consolidate(checkpoint: dict[str, Any], directory: str, load: Callable[[str], Any]) -> dict[str, Any]:
-    """`checkpoint` (a sharded directory's main file) with each marker replaced by the full tensor, concatenated from
-    every rank's chunk file in `directory` (read with `load`, once each)."""
+def _chunk_width(numel: int, world_size: int) -> int:
+    """Elements per chunk of a tensor of `numel` elements cut over `world_size` ranks (at least 1)."""
+    return max(1, math.ceil(numel / world_size))
+
+
+def consolidate(
+    checkpoint: dict[str, Any], directory: str, load: Callable[[str], Any], shard: Optional[tuple[int, int]] = None
+) -> dict[str, Any]:
+    """`checkpoint` (a sharded directory's main file) with each marker resolved from the rank files in `directory`.
+
+    `shard=None`: by the full tensor. `shard=(rank, world_size)`, for a ZeRO-1 optimizer of that rank: by a marker
+    holding only that rank's chunk for `world_size` (plus `"rank"`), which `load_state_dict` takes as it is. `load`
+    should memory-map (`torch.load(mmap=True)`): only the slices taken are then read, and a file is opened only when
+    it holds part of one, once; at the saved world size a rank reads its own file alone.
+    """
     files: dict[int, list[Tensor]] = {}
 
     def chunks_of(rank: int) -> list[Tensor]:
@@ -110,11 +152,32 @@ def consolidate(checkpoint: dict[str, Any], directory: str, load: Callable[[str]
             files[rank] = load(os.path.join(directory, chunk_file(rank)))["chunks"]
         return files[rank]
 
-    def full(marker: dict) -> Tensor:
-        rows = [chunks_of(rank)[marker[CHUNK]] for rank in range(marker["world_size"])]
-        return torch.cat(rows)[: marker["numel"]].view(marker["shape"]).clone()
+    def elements(marker: dict, start: int, size: int) -> Tensor:
+        """A new tensor of `size` elements: elements [start, start + size) of the marker's flattened tensor, read
+        from the files that hold them, zero past its end."""
+        width = _chunk_width(marker["numel"], marker["world_size"])
+        stop = min(start + size, marker["numel"])
+        out: Optional[Tensor] = None
+        last = marker["world_size"] - 1  # at least one file is read, for the dtype
+        for rank in range(min(start // width, last), min(max(stop - 1, start) // width, last) + 1):
+            part = chunks_of(rank)[marker[CHUNK]][max(start - rank * width, 0) : max(stop - rank * width, 0)]
+            if out is None:
+                out = torch.zeros(size, dtype=part.dtype)
+            offset = max(rank * width - start, 0)
+            out[offset : offset + part.numel()] = part
+        assert out is not None
+        return out
 
-    return _map_markers(checkpoint, full)
+    def full(marker: dict) -> Tensor:
+        return elements(marker, 0, marker["numel"]).view(marker["shape"])
+
+    def local(marker: dict) -> dict:
+        rank, world_size = shard
+        width = _chunk_width(marker["numel"], world_size)
+        mine = elements(marker, min(rank * width, marker["numel"]), width)
+        return {**marker, CHUNK: mine, "world_size": world_size, "rank": rank}
+
+    return _map_markers(checkpoint, full if shard is None else local)
 
 
 def _padded_flat(tensor: Tensor, numel: int) -> Tensor:
@@ -122,9 +185,15 @@ def _padded_flat(tensor: Tensor, numel: int) -> Tensor:
     return flat if flat.numel() == numel else torch.nn.functional.pad(flat, (0, numel - flat.numel()))
 
 
-def _chunk_of(full: Tensor, chunk: int, rank: int, world_size: int) -> Tensor:
-    """Rank `rank`'s chunk (of `chunk` elements) of `full`, flattened and padded to `chunk * world_size`."""
-    return _padded_flat(full, chunk * world_size)[rank * chunk : (rank + 1) * chunk]
+def _copy_chunk(full: Tensor, chunk: int, rank: int, out: Tensor) -> Tensor:
+    """Rank `rank`'s chunk of `full` (elements [rank * chunk, (rank + 1) * chunk) of it flattened, zero past its end)
+    copied into `out` (`chunk` elements) without a padded copy, so a memory-mapped `full` is read only there; returns
+    `out`."""
+    flat = full.reshape(-1)
+    mine = flat[min(rank * chunk, flat.numel()) :][:chunk]
+    out[: mine.numel()].copy_(mine)
+    out[mine.numel() :].zero_()
+    return out
 
 
 @dataclass
@@ -134,10 +203,6 @@ class _Slot:
     param: Tensor
     shard: Parameter
     chunk: int
-
-    def chunk_of(self, full: Tensor, rank: int, world_size: int) -> Tensor:
-        """Rank `rank`'s chunk of `full` (a tensor of the parameter's shape), flattened."""
-        return _chunk_of(full, self.chunk, rank, world_size)
 
     def unshard(self, rows: Tensor) -> Tensor:
         """The parameter-shaped tensor from every rank's chunk (`rows`: `[world_size, chunk]`)."""
@@ -151,25 +216,36 @@ class Zero1Sharding:
         collectives: the runtime's collectives over all ranks (gradients and parameters stay on the device).
         host_collectives: collectives on host tensors, for `state_dict()` (the full state never sits on the device).
         rounding: casts an fp32 chunk to its parameter's dtype.
-        state_dict_type: "full": `state_dict()` gathers the state (the unsharded format); "sharded": it holds this
-            rank's chunks as markers, for a sharded checkpoint.
+        state_dict_type: "full": `state_dict()` gathers the state to rank 0 (the unsharded format); "sharded": it
+            holds this rank's chunks as markers, for a sharded checkpoint.
+        gather_bucket_bytes: how much of its chunks a rank sends to rank 0 at a time in a full `state_dict()`: what
+            the other ranks hold beyond their chunks while it runs (rank 0 receives N such pieces at a time).
+
+    Raises:
+        ValueError: for an optimizer not known to be element-wise (`ELEMENTWISE`, `allow_zero1_optimizer`).
     """
 
     def __init__(
         self,
         optimizer: Optimizer,
         collectives: Collectives,
-        host_collectives: Collectives,
+        host_collectives: HostCollectives,
         rank: int,
         rounding: Rounding,
         state_dict_type: str = "full",
+        gather_bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         name = type(optimizer).__name__
-        if name in REFUSED:
+        if not _is_elementwise(optimizer):
+            known = ", ".join([cls.__name__ for cls in ELEMENTWISE] + list(ELEMENTWISE_NAMES))
             raise ValueError(
-                f"ZeRO-1 cannot shard {name}: it updates an element from other elements of the tensor (or re-runs a "
-                "closure), so an update of one chunk would differ from the unsharded one. Use an element-wise "
-                "optimizer (SGD, Adam, AdamW, ...) or `zero1=False`."
+                f"ZeRO-1 does not shard {type(optimizer).__module__}.{name}: it only shards optimizers known to update "
+                f"every element from that element's gradient and state alone ({known}). ZeRO-1 runs the optimizer on "
+                "1/N of each tensor, so an optimizer that reads per-tensor norms or shapes (LAMB, LARS, Adam-mini, "
+                "Shampoo, Adafactor, Muon, LBFGS's closure) would silently compute them over a chunk and train "
+                "differently. If this optimizer is element-wise, opt in before the strategy sets it up with "
+                f"`lightning_trn.core.zero1.allow_zero1_optimizer({name})`; otherwise use `zero1=False` "
+                "(strategy='neuron_ddp')."
             )
         if optimizer in _SHARDINGS:
             raise ValueError(f"This {name} is already sharded with ZeRO-1 (set up once per optimizer).")
@@ -179,16 +255,18 @@ class Zero1Sharding:
         self.world_size = collectives.world_size
         self.rank = rank
         self.state_dict_type = state_dict_type
+        self.gather_bucket_bytes = gather_bucket_bytes
         self._rounding = rounding
         self._slots: list[_Slot] = []
-        #: fp32 masters of bf16 parameters from the last `load_state_dict`, by slot index (applied by `refresh`)
+        #: this rank's chunks of the fp32 masters of bf16 parameters from the last `load_state_dict`, by slot index
+        #: (applied by `refresh`)
         self._loaded_masters: dict[int, Tensor] = {}
         with torch.no_grad():
             for group in optimizer.param_groups:
                 shards = []
                 for param in group["params"]:
-                    chunk = max(1, math.ceil(param.numel() / self.world_size))
-                    mine = _chunk_of(param.detach(), chunk, rank, self.world_size).to(torch.float32, copy=True)
+                    chunk = _chunk_width(param.numel(), self.world_size)
+                    mine = _copy_chunk(param.detach(), chunk, rank, param.new_empty(chunk, dtype=torch.float32))
                     slot = _Slot(param, Parameter(mine), chunk)
                     self._slots.append(slot)
                     shards.append(slot.shard)
@@ -208,8 +286,9 @@ class Zero1Sharding:
     # -- the step ----------------------------------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
-        """Reduce-scatter the module parameters' gradients into the chunks' (`.grad`, fp32), bucketed; the module
-        parameters' gradients are then dropped (the optimizer's `zero_grad` only clears the chunks')."""
+        """Reduce-scatter the module parameters' gradients into the chunks' (`.grad`), bucketed, in `REDUCE_DTYPE`
+        whatever the parameters' dtype; the module parameters' gradients are then dropped (the optimizer's `zero_grad`
+        only clears the chunks')."""
         slots = [slot for slot in self._slots if slot.param.grad is not None]
         with torch.no_grad():
             for bucket in buckets(slots, tensor=lambda slot: slot.param.grad):
@@ -217,10 +296,11 @@ class Zero1Sharding:
                 rows = torch.cat([_padded_flat(s.param.grad, s.chunk * width).view(width, s.chunk) for s in bucket], 1)
                 for slot in bucket:  # copied into `rows`: free them before the collective allocates its result
                     slot.param.grad = None
+                rows = rows.to(REDUCE_DTYPE)
                 mine = self.collectives.reduce_scatter(rows)
                 del rows
                 for slot, grad in zip(bucket, mine.split([s.chunk for s in bucket])):
-                    slot.shard.grad = grad.float()
+                    slot.shard.grad = grad
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -264,9 +344,11 @@ class Zero1Sharding:
         module's weights."""
         with torch.no_grad():
             for index, slot in enumerate(self._slots):
-                source = self._loaded_masters.get(index)
-                full = slot.param.detach() if source is None else source.to(slot.shard.device)
-                slot.shard.copy_(slot.chunk_of(full, self.rank, self.world_size).float())
+                master = self._loaded_masters.get(index)
+                if master is None:
+                    _copy_chunk(slot.param.detach(), slot.chunk, self.rank, slot.shard)
+                else:
+                    slot.shard.copy_(master.to(slot.shard.device))
 
     # -- state dicts -------------------------------------------------------------------------------------------------
 
@@ -274,57 +356,115 @@ class Zero1Sharding:
         return isinstance(value, Tensor) and key != "step" and value.shape == slot.shard.shape
 
     def _state_dict_post_hook(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Post-hook of `optimizer.state_dict()`: every chunked state tensor gathered into its parameter's shape, on
-        the host, or (sharded) left as this rank's chunk in a marker; bf16 parameters also give their fp32 master."""
+        """Post-hook of `optimizer.state_dict()`: every chunked state tensor gathered into its parameter's shape on
+        rank 0's host (the other ranks get a stub without them), or (sharded) left as this rank's chunk in a marker;
+        bf16 parameters also give their fp32 master."""
         pieces: list[tuple[int, str, Tensor]] = []
         for index, slot in enumerate(self._slots):
             state = state_dict["state"].get(index, {})
-            pieces += [(index, key, value) for key, value in state.items() if self._is_chunk(slot, key, value)]
+            pieces += [(index, key, value.detach()) for key, value in state.items() if self._is_chunk(slot, key, value)]
             if slot.param.dtype != torch.float32:
                 pieces.append((index, MASTER_WEIGHT, slot.shard.detach()))
         full_state = {index: dict(state) for index, state in state_dict["state"].items()}
         if self.state_dict_type == "sharded":
             for index, key, value in pieces:
                 slot = self._slots[index]
-                marker = {CHUNK: value.detach(), "numel": slot.param.numel(), "shape": list(slot.param.shape),
+                marker = {CHUNK: value, "numel": slot.param.numel(), "shape": list(slot.param.shape),
                           "world_size": self.world_size}
                 full_state.setdefault(index, {})[key] = marker
             return {**state_dict, "state": full_state}
-        if self.world_size == 1:
-            gathered = [value.detach().cpu() for _, _, value in pieces]
-            full = [self._slots[index].unshard(value.view(1, -1)) for (index, _, _), value in zip(pieces, gathered)]
-        else:
-            full = self._gather_on_host(pieces)
+        full = self._gather_to_rank0(pieces)
+        if full is None:
+            for index, key, _ in pieces:
+                full_state.get(index, {}).pop(key, None)
+            return {**state_dict, "state": full_state, GATHERED_ON: 0}
         for (index, key, _), value in zip(pieces, full):
             full_state.setdefault(index, {})[key] = value
         return {**state_dict, "state": full_state}
 
-    def _gather_on_host(self, pieces: list[tuple[int, str, Tensor]]) -> list[Tensor]:
-        values: list[Tensor] = [value.detach().cpu() for _, _, value in pieces]
-        full: list[Tensor] = [torch.empty(0)] * len(pieces)
-        order = list(range(len(pieces)))
-        for bucket in buckets(order, tensor=lambda i: values[i]):
-            every = self.host_collectives.all_gather(torch.cat([values[i] for i in bucket]))
-            for i, rows in zip(bucket, every.split([values[i].numel() for i in bucket], dim=1)):
-                full[i] = self._slots[pieces[i][0]].unshard(rows).clone()
-        return full
+    def _gather_to_rank0(self, pieces: list[tuple[int, str, Tensor]]) -> Optional[list[Tensor]]:
+        """The parameter-shaped host tensors of `pieces` (this rank's chunks) on rank 0, None on the others.
+
+        Sent in buckets of at most `gather_bucket_bytes` (a chunk larger than that in several slices); a chunk is
+        copied to the host whole (one transfer, no per-slice device graph) when its first slice is sent and dropped
+        after its last, so a rank holds one bucket and one chunk beyond its state. Rank 0 writes each bucket into the
+        full tensors as it arrives.
+        """
+        if self.world_size == 1:
+            return [self._slots[index].unshard(value.cpu().view(1, -1)).clone() for index, _, value in pieces]
+        slices = []  # (piece, start, stop) of at most gather_bucket_bytes each
+        for number, (_, _, value) in enumerate(pieces):
+            step = max(1, self.gather_bucket_bytes // value.element_size())
+            slices += [(number, start, min(start + step, value.numel())) for start in range(0, value.numel(), step)]
+        host: dict[int, Tensor] = {}  # the chunk being sent
+
+        def host_slice(number: int, start: int, stop: int) -> Tensor:
+            if number not in host:
+                host.clear()
+                host[number] = pieces[number][2].cpu()
+            return host[number][start:stop]
+
+        def size(piece_slice: tuple[int, int, int]) -> Tensor:  # for `buckets`: dtype and bytes, no data
+            number, start, stop = piece_slice
+            return torch.empty(stop - start, dtype=pieces[number][2].dtype, device="meta")
+
+        rows: list[Optional[Tensor]] = [None] * len(pieces)
+        for bucket in buckets(slices, self.gather_bucket_bytes, tensor=size):
+            every = self.host_collectives.gather(torch.cat([host_slice(*piece_slice) for piece_slice in bucket]), dst=0)
+            if every is None:
+                continue
+            for (number, start, stop), received in zip(bucket, every.split([b - a for _, a, b in bucket], dim=1)):
+                if rows[number] is None:
+                    value = pieces[number][2]
+                    rows[number] = torch.empty((self.world_size, value.numel()), dtype=value.dtype)
+                rows[number][:, start:stop] = received  # type: ignore[index]
+        if self.rank != 0:
+            return None
+        return [self._slots[index].unshard(full) for (index, _, _), full in zip(pieces, rows)]  # type: ignore[arg-type]
 
     def _load_state_dict_pre_hook(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Pre-hook of `optimizer.load_state_dict()`: a full state (from any world size) cut to this rank's chunks;
-        masters are kept for `refresh`, which runs now (the Trainer restores the weights before the optimizer)."""
+        """Pre-hook of `optimizer.load_state_dict()`: a full state (from any world size) cut to this rank's chunks, or
+        the chunks a sharded load resolved for this rank (`consolidate`) taken as they are; masters are kept for
+        `refresh`, which runs now (the Trainer restores the weights before the optimizer)."""
+        if GATHERED_ON in state_dict:
+            raise ValueError(
+                f"This ZeRO-1 optimizer state is the stub of a rank other than {state_dict[GATHERED_ON]}, which holds "
+                "the full state: load the checkpoint that rank wrote."
+            )
         state = {int(index): dict(value) for index, value in state_dict["state"].items()}
         self._loaded_masters = {
-            index: value.pop(MASTER_WEIGHT).float() for index, value in state.items() if MASTER_WEIGHT in value
+            index: self._own_chunk(index, value.pop(MASTER_WEIGHT)).float()
+            for index, value in state.items() if MASTER_WEIGHT in value
         }
         self._load_chunks(state)
         self.refresh()
         return {**state_dict, "state": state}
 
+    def _own_chunk(self, index: int, value: Any) -> Any:
+        """This rank's chunk (a copy, floats in fp32) of `value`, a tensor of slot `index`'s parameter's shape or a
+        resolved marker; anything else (step counts, scalars) as it is."""
+        slot = self._slots[index]
+        if isinstance(value, dict) and CHUNK in value:
+            if (value.get("rank"), value["world_size"], value["numel"]) != (self.rank, self.world_size,
+                                                                          slot.param.numel()):
+                raise ValueError(
+                    f"A sharded ZeRO-1 state resolved for rank {value.get('rank')} of {value['world_size']} (a tensor "
+                    f"of {value['numel']} elements) reached rank {self.rank} of {self.world_size}: load it through "
+                    "the strategy's checkpoint IO, or consolidate it first (`python -m lightning_trn.consolidate`)."
+                )
+            chunk = value[CHUNK]  # a new tensor (`consolidate`): no copy needed
+            return chunk.to(torch.float32) if chunk.is_floating_point() else chunk
+        if isinstance(value, Tensor) and value.shape == slot.param.shape:
+            dtype = torch.float32 if value.is_floating_point() else value.dtype
+            return _copy_chunk(value, slot.chunk, self.rank, torch.empty(slot.chunk, dtype=dtype, device=value.device))
+        return value
+
     def _load_chunks(self, state: dict[int, dict[str, Any]]) -> None:
-        """In `state` (slot index -> per-parameter state), replace each parameter-shaped tensor by this rank's chunk."""
+        """In `state` (slot index -> per-parameter state), replace each parameter-shaped tensor or resolved marker by
+        this rank's chunk, and copy the other tensors (step counts): nothing keeps a memory-mapped file alive."""
         for index, values in state.items():
-            slot = self._slots[index]
             for key, value in values.items():
-                if isinstance(value, Tensor) and key != "step" and value.shape == slot.param.shape:
-                    chunk = slot.chunk_of(value, self.rank, self.world_size)
-                    values[key] = chunk.to(torch.float32, copy=True) if chunk.is_floating_point() else chunk.clone()
+                if key != "step":
+                    values[key] = self._own_chunk(index, value)
+                elif isinstance(value, Tensor):
+                    values[key] = value.clone()

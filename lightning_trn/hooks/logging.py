@@ -1,4 +1,4 @@
-"""Four hooks into Lightning's logging internals that cost XLA runs a sync, a graph or time every step.
+"""Five hooks into Lightning's logging internals that cost XLA runs a sync, a graph or time every step.
 
 Each function here takes Lightning's original and returns its replacement (None where this Lightning version lacks
 what it relies on); `lightning_trn.hooks.registry` installs them for Neuron runs only and restores the originals.
@@ -29,6 +29,13 @@ pending) and a transfer per read, at every epoch end. While a one-process Neuron
 computation runs on those copies (`lightning_trn.hooks.metric_states.epoch_values_on_host`); the values it stores are
 host tensors, as Lightning's teardown would leave them. Across processes the values' `sync_dist` reductions stay on
 the device.
+
+5. The values of a logging step read in one transfer. The progress bar and `_LoggerConnector.log_metrics` each turn
+every device value they show or log into a Python number (`.item()`): a transfer per value and per reader, twice per
+logging step for a value both show (`train_loss`), where a hand-written loop reads it once. In Neuron runs both read
+through `values_to_host`: the first reader of a step copies every value it needs, and the step's other logged values
+with them, to the host in one batched transfer (`DeviceRuntime.to_host`), and leaves the copies where Lightning
+keeps those values, so the next reader finds them on the host.
 """
 
 from __future__ import annotations
@@ -55,6 +62,57 @@ def settle_progress_bar_metrics(trainer: Any) -> None:
     connector = trainer._logger_connector
     if hasattr(connector, "_progress_bar_metrics"):
         connector._progress_bar_metrics = result.convert_tensors_to_scalars(connector.progress_bar_metrics)
+
+
+def _on_device(value: Any) -> bool:
+    """A plain tensor on a Neuron device (subclasses such as DTensor are left to Lightning's own conversion)."""
+    return type(value) is torch.Tensor and value.device.type in NEURON_DEVICE_TYPES
+
+
+def _step_results(trainer: Any) -> list[Any]:
+    """The current step's logged results (`_ResultMetric`s) whose step value (`_forward_cache`) is still on a Neuron
+    device: what the bar, the logger and the callbacks read at this step (empty between steps: epoch ends)."""
+    results = trainer._results
+    if results is None or getattr(trainer._logger_connector, "_first_loop_iter", None) is None:
+        return []
+    return [result_metric for _, result_metric in results.valid_items()
+            if result_metric.meta.on_step and not result_metric.meta.enable_graph
+            and _on_device(result_metric._forward_cache)]
+
+
+def values_to_host(trainer: Any, values: dict[str, Any]) -> None:
+    """Hook 5: replace, in place, the device tensors in `values` (metrics about to be shown or logged) by host copies,
+    fetched in one transfer together with the current step's logged values, which become host copies where Lightning
+    keeps them (their `_forward_cache`): every later reader of this step's values finds them on the host. A reader
+    with nothing on the device reads nothing (so never more than Lightning would), and outside a Neuron run (a
+    strategy without a runtime) nothing changes."""
+    runtime = getattr(trainer.strategy, "runtime", None)
+    names = [name for name, value in values.items() if _on_device(value)]
+    if runtime is None or not names:
+        return
+    step_results = _step_results(trainer)
+    copies = runtime.to_host([values[name] for name in names]
+                             + [result_metric._forward_cache for result_metric in step_results])
+    for name, copy in zip(names, copies):
+        values[name] = copy
+    for result_metric, copy in zip(step_results, copies[len(names):]):
+        result_metric._forward_cache = copy
+
+
+def logging_from_host(log_metrics: Any) -> Optional[Callable[..., None]]:
+    """Hook 5, replacing `_LoggerConnector.log_metrics`: the loggers get the values from host copies fetched in one
+    transfer (`values_to_host`), instead of Lightning's one `.item()` per value."""
+    if not callable(log_metrics):
+        return None
+
+    @functools.wraps(log_metrics)
+    def log_metrics_from_host(self: Any, metrics: Any, step: Optional[int] = None) -> None:
+        if self.trainer.loggers and isinstance(metrics, dict) and metrics:
+            metrics = dict(metrics)  # the caller's dictionary stays as it was
+            values_to_host(self.trainer, metrics)
+        return log_metrics(self, metrics, step)
+
+    return log_metrics_from_host
 
 
 def conversion_unless_deferred(convert: Any) -> Optional[Callable[[Any], Any]]:

@@ -8,10 +8,12 @@ For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyMixin
 which Lightning's originals are back, so a CPU or GPU run in the same process runs Lightning's own code. Each saves
 host time or a device sync per step on Neuron and gives Lightning's result (tests/test_logging_fast_path.py,
 tests/test_loop_shortcuts.py), or makes torch's activation checkpointing work on the run's device
-(`activation_checkpointing`, tests/test_activation_checkpointing.py); each is skipped where the Lightning version is
-untested or lacks what it replaces. Fabric has no teardown: its Neuron precision installs the checkpointing hooks
-(`CHECKPOINT_HOOKS`) for each forward and backward pass only (`installed`). Holders are counted per hook, so those
-nest inside a Trainer run's.
+(`activation_checkpointing`, tests/test_activation_checkpointing.py), or gives random ops on `neuron` DTensors
+independent values per shard (`DTENSOR_RANDOM_HOOKS`, torch's tracker; tests/standin/test_dtensor_random.py); each is
+skipped where the Lightning (or torch) version is untested or lacks what it replaces. Fabric has no teardown: its
+Neuron precision installs the checkpointing hooks (`CHECKPOINT_HOOKS`) for each forward and backward pass only
+(`installed`), and its model-parallel strategy the DTensor random-op rule from `setup_module` on. Holders are counted
+per hook, so those nest inside a Trainer run's.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from lightning.pytorch.trainer.connectors.logger_connector import logger_connect
 from packaging.version import Version
 
 import torch
+import torch.distributed.tensor._random
 import torch.utils.checkpoint
 from torchmetrics import Metric
 
+from lightning_trn.core import dtensor_random
 from lightning_trn.hooks import activation_checkpointing, host_copies, loaders, loop_shortcuts, metric_states
 from lightning_trn.hooks import logging as logging_hooks
 
@@ -65,10 +69,17 @@ CHECKPOINT_HOOKS: tuple[Hook, ...] = (
     Hook(torch.utils.checkpoint, "CheckpointFunction", activation_checkpointing.fenced_reentrant),
 )
 
+#: torch's tracker of random ops on DTensors: the `neuron` device's rule (`lightning_trn.core.dtensor_random`), so a
+#: model initialised after parallelization draws independent values on every shard
+DTENSOR_RANDOM_HOOKS: tuple[Hook, ...] = (
+    Hook(torch.distributed.tensor._random, "_rng_tracker", dtensor_random.tracker_for_neuron_run),
+)
+
 HOOKS: tuple[Hook, ...] = (
     Hook(result, "convert_tensors_to_scalars", logging_hooks.conversion_unless_deferred),
     Hook(logger_connector._LoggerConnector, "metrics", logging_hooks.deferring_metrics),
     Hook(result._ResultMetric, "to", logging_hooks.result_move_shortcut),
+    Hook(logger_connector._LoggerConnector, "log_metrics", logging_hooks.logging_from_host),
     Hook(Metric, "reset", metric_states.reset_from_host),
     Hook(Trainer, "_teardown", host_copies.teardown_in_one_transfer),
     Hook(LightningModule, "log", logging_hooks.log_fast_path),
@@ -80,6 +91,7 @@ HOOKS: tuple[Hook, ...] = (
     *(Hook(loop, "setup_data", loaders.setup_data_showing_user_loaders)
       for loop in (_FitLoop, _EvaluationLoop, _PredictionLoop)),
     *CHECKPOINT_HOOKS,
+    *DTENSOR_RANDOM_HOOKS,
 )
 
 #: how many holders each hook has (installed while above 0), and the original each installed hook replaced

@@ -35,9 +35,11 @@ IGNORE_INDEX = -100
 #: memory arithmetic). Not run here: the tokenizer still trains on `data.source`.
 PRESETS: dict[str, tuple[str, ...]] = {
     # ~1.1 B (TinyLlama's shape with a 32k vocabulary) on a trn1.32xlarge: 32 NeuronCores of 16 GB, XLA backend,
-    # ZeRO-1 (8.25 bytes/parameter: 9.1 GB) + activation checkpointing.
+    # ZeRO-1 (8.375 bytes/parameter: 9.2 GB) + activation checkpointing; sharded checkpoints (each rank writes its own
+    # optimizer chunks: no rank gathers the 13 GB of state).
     "trn1-1b": (
-        "trainer.devices=32", "trainer.strategy=neuron_zero1", "trainer.precision=bf16-mixed",
+        "trainer.devices=32", "trainer.strategy=neuron_zero1", "zero1_state_dict_type=sharded",
+        "trainer.precision=bf16-mixed",
         "trainer.max_epochs=1", "trainer.limit_train_batches=1.0", "trainer.limit_val_batches=1.0",
         "trainer.accumulate_grad_batches=4", "trainer.log_every_n_steps=10",
         "data.vocab_size=32000", "data.seq_len=2048", "data.batch_size=1",
@@ -96,6 +98,7 @@ class LlmConfig(RecipeConfig):
     """Schema of `configs/llm.yaml`; `preset` names one of `PRESETS` (or `none`)."""
 
     preset: str
+    zero1_state_dict_type: str = checked((lambda v: v in ("full", "sharded"), "full or sharded"))
     data: LlmData
     model: LlmModel
 
@@ -543,7 +546,8 @@ def build_model(cfg: DictConfig) -> CausalLM:
 def trainer_args(cfg: DictConfig) -> dict[str, Any]:
     """`trainer.strategy=model_parallel`: Lightning's `ModelParallelStrategy` with `model.tensor_parallel_size`
     devices per tensor-parallel group and the rest FSDP2 (native backend); `fsdp`: Lightning's `FSDPStrategy`
-    sharding each decoder layer. Other strategies go to the Trainer as they are."""
+    sharding each decoder layer; `neuron_zero1` with `zero1_state_dict_type=sharded`: ZeRO-1 writing sharded
+    checkpoints. Other strategies go to the Trainer as they are."""
     strategy, tp = cfg.trainer.get("strategy", "auto"), cfg.model.tensor_parallel_size
     if strategy in _MODEL_PARALLEL:
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -555,6 +559,10 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
         return {"strategy": ModelParallelStrategy(data_parallel_size=devices * nodes // tp, tensor_parallel_size=tp)}
     if tp != 1:
         raise ValueError(f"model.tensor_parallel_size={tp} needs trainer.strategy=model_parallel (here {strategy!r}).")
+    if strategy == "neuron_zero1" and cfg.zero1_state_dict_type == "sharded":
+        from lightning_trn import NeuronDDPStrategy
+
+        return {"strategy": NeuronDDPStrategy(zero1=True, state_dict_type="sharded")}
     if strategy == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer

@@ -64,6 +64,17 @@ class HostCollectives(Collectives):
         dist.all_gather(gathered, host, group=self._group)
         return torch.stack(gathered).to(tensor.device)
 
+    def gather(self, tensor: torch.Tensor, dst: int) -> Optional[torch.Tensor]:
+        """Every rank's `tensor` stacked (`[world_size, ...]`, on the host) on rank `dst`, None on the others: unlike
+        `all_gather`, only `dst` ever holds them all (a checkpoint's state gathered to the rank that writes it)."""
+        host = self._stage(tensor.detach()).contiguous()
+        if dist.get_rank(self._group) != dst:
+            dist.gather(host, None, dst=dst, group=self._group)
+            return None
+        gathered = torch.empty((self.world_size, *host.shape), dtype=host.dtype, device=host.device)
+        dist.gather(host, list(gathered.unbind(0)), dst=dst, group=self._group)
+        return gathered
+
     def broadcast_(self, tensors: list[torch.Tensor], src: int) -> None:
         with torch.no_grad():
             self._in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=self._group))

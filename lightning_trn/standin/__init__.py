@@ -136,7 +136,8 @@ def _loaded() -> ModuleType:
 
 
 def counters() -> dict[str, int]:
-    """Device->host copies, host->device copies, scalar reads (`.item()`) and host syncs since the last reset.
+    """Device->host copies, host->device copies (`host_to_device_bytes`: the bytes copied from host tensors; host
+    ops' results count as copies only), scalar reads (`.item()`) and host syncs since the last reset.
 
     Host syncs are the waits an asynchronous device would impose on the host: copies to the host that are not
     `non_blocking`, scalar reads and synchronize calls (`torch.neuron.synchronize()`, `torch.accelerator`'s, streams'

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_trn import NeuronModelParallelStrategy
 from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
+from lightning_trn.core import distributed_checkpoint
 from lightning_trn.core.distributed_checkpoint import DistributedCheckpointReader, write_consolidated
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronModelParallelStrategy
 from tests.launch import child_env
@@ -156,11 +157,15 @@ def test_consolidated_checkpoint_resumes_with_a_cpu_trainer(tmp_path: Path, fsdp
     _assert_same_weights({"weights": torch.load(out / "weights.pt")}, uninterrupted)
 
 
-def test_consolidation_reads_one_tensor_at_a_time(
+def test_consolidation_reads_in_bounded_batches(
     tmp_path: Path, fsdp_neuron: tuple[dict, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Streaming: every read of tensor data asks for one entry, so the host holds one tensor at a time."""
+    """Streaming: every read of tensor data asks for at most `BATCH_BYTES` (here the largest entry's size), so the
+    host holds one batch at a time; every entry is read once, small ones together."""
     _, checkpoint = fsdp_neuron
+    tensors = DistributedCheckpointReader(checkpoint).tensors()
+    nbytes = {key: md.size.numel() * md.properties.dtype.itemsize for key, md in tensors.items()}
+    monkeypatch.setattr(distributed_checkpoint, "BATCH_BYTES", max(nbytes.values()), raising=False)
     reads: list[list[str]] = []
     load = DistributedCheckpointReader.load
 
@@ -171,8 +176,9 @@ def test_consolidation_reads_one_tensor_at_a_time(
     monkeypatch.setattr(DistributedCheckpointReader, "load", recording)
     write_consolidated(checkpoint, tmp_path / "one.ckpt")
     tensor_reads = [keys for keys in reads if keys]
-    assert len(tensor_reads) == len(DistributedCheckpointReader(checkpoint).tensors())
-    assert all(len(keys) == 1 for keys in tensor_reads)
+    assert sorted(key for keys in tensor_reads for key in keys) == sorted(tensors)
+    assert all(sum(nbytes[key] for key in keys) <= max(nbytes.values()) for keys in tensor_reads)
+    assert len(tensor_reads) < len(tensors)
 
 
 def test_fabric_tensor_parallel_equals_trainer(tmp_path: Path, one_process: dict) -> None:

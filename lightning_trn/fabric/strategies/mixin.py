@@ -146,14 +146,16 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
     ) -> None:
         """Materialise pending device work first, so the tensors copied to the host are the current ones; the file
         holds CPU tensors only (`NeuronCheckpointIO`), as the Trainer's do, and every rank's random state. Called on
-        every rank."""
+        every rank. A sharded checkpoint (a directory every rank writes part of) replaces the previous one only once
+        complete (`lightning_trn.core.sharded_save`)."""
         self.runtime.sync()
         random_state = self._random_state_to_save(self._loaders, None, batches=self._batches_taken)
         state = {**state, RANDOM_STATE_KEY: random_state}
         if not self.saves_stateful_objects:
             state, filter = self._convert_stateful_objects_in_state(state, filter or {}), None  # type: ignore
-        state, path = self._split_checkpoint(state, path)
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+        with self._save_destination(path) as target:
+            state, target = self._split_checkpoint(state, target)
+            super().save_checkpoint(target, state, storage_options=storage_options, filter=filter)  # type: ignore
 
     def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state, or says

@@ -5,16 +5,18 @@ same arguments, and `fabric.setup` runs `parallelize_fn(module, device_mesh)` on
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_trn.core.model_parallel import ModelParallelCore, materialize
+from lightning_trn.core.dtensor_random import refuse_local_dropout
+from lightning_trn.core.model_parallel import ModelParallelCore, host_values_to_meta, materialize
 from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
+from lightning_trn.hooks import registry as lightning_hooks
 
 
 class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, ModelParallelStrategy):
@@ -28,6 +30,9 @@ class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, 
             False: one file of CPU tensors assembled on rank 0.
         process_group_backend: `torch.distributed` backend of the default group (`neuron`).
         timeout: timeout of the process groups.
+        seed_checkpoint: a directory written by `lightning_trn.core.model_parallel.write_seed_checkpoint`: a model
+            built on the meta device reads each rank's shards from it instead of drawing its initial weights on
+            every rank's host.
     """
 
     saves_stateful_objects = True
@@ -40,6 +45,7 @@ class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, 
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = default_pg_timeout,
+        seed_checkpoint: Optional[Union[str, Path]] = None,
     ) -> None:
         super().__init__(
             parallelize_fn=self._parallelize_and_materialize,
@@ -50,13 +56,22 @@ class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, 
             timeout=timeout,
         )
         self._user_parallelize_fn = parallelize_fn
+        self._seed_checkpoint = seed_checkpoint
 
     def _parallelize_and_materialize(self, module: Module, device_mesh: Any) -> Module:
-        """The user's `parallelize_fn`, then a module built on the meta device gets the unsharded module's initial
-        weights (`lightning_trn.core.model_parallel.materialize`)."""
+        """The user's `parallelize_fn` on the module's meta twin, then each rank's shards (and what `parallelize_fn`
+        left unsharded) go to the device: the values the module was built with on the host, or for a module built on
+        the meta device the unsharded module's initial weights (`lightning_trn.core.model_parallel.materialize`).
+        Replicated tensors are then made equal to the first rank's (`broadcast_replicated`)."""
+        host_values = host_values_to_meta(module)
         module = self._user_parallelize_fn(module, device_mesh)
         if isinstance(module, Module):
-            materialize(module, self.root_device)
+            materialize(module, self.root_device, self._seed_checkpoint, host_values)
+            self._broadcast_replicated(module)
+            refuse_local_dropout(module, self)
+        # random ops on the sharded module's DTensors (`init_weights()` after `setup`): the `neuron` rule from here
+        # on; Fabric has no teardown to put torch's back at, and the rule leaves other devices' meshes to torch
+        lightning_hooks.acquire(lightning_hooks.DTENSOR_RANDOM_HOOKS)
         return module
 
     def _set_world_ranks(self) -> None:
@@ -64,15 +79,14 @@ class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, 
         self.set_world_ranks()
 
     def module_to_device(self, module: Module) -> None:
-        """Fabric moves the module before `setup_module`: a module built on the host goes to the device whole (what
-        `parallelize_fn` leaves unsharded is on the device too); one on the meta device is materialized after it."""
-        if not _has_meta_device_parameters_or_buffers(module):
-            super().module_to_device(module)
+        """Nothing before `setup_module` (as Lightning's): a module built on the host is sharded first, so only
+        shards reach the device."""
 
     def setup_module(self, module: Module) -> Module:
-        """Lightning's: `parallelize_fn` on the device mesh, meta tensors materialized on the device; torchmetrics'
-        syncs routed through the collectives."""
+        """Lightning's: `parallelize_fn` on the device mesh, each rank's shards materialized on the device; what is
+        left on the host (torchmetrics' states) then moves; torchmetrics' syncs routed through the collectives."""
         module = super().setup_module(module)
+        super().module_to_device(module)
         self._route_metric_syncs(module)
         return module
 

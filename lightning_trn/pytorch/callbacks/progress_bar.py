@@ -3,9 +3,10 @@ a second.
 
 Lightning's stock bars turn every `prog_bar=True` value into a Python number at each refresh: a device-to-host
 sync per step that stalls the XLA pipeline. These show the same metrics, refreshed at the logging interval and at
-epoch/validation ends. The stock bars also redraw on every batch (TQDM) or up to 100 times a second (Rich, from a
-thread that holds the GIL while it renders). On XLA the host's Python time is what feeds the device, so a small
-model pays for every redraw; these redraw on a clock instead.
+epoch/validation ends, read in one transfer that the logger of the same step shares (`values_to_host`). The stock
+bars also redraw on every batch (TQDM) or up to 100 times a second (Rich, from a thread that holds the GIL while it
+renders). On XLA the host's Python time is what feeds the device, so a small model pays for every redraw; these
+redraw on a clock instead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics
+
+from lightning_trn.hooks.logging import values_to_host
 
 _Metrics = dict[str, Union[int, str, float, dict[str, float]]]
 DEFAULT_MAX_REDRAWS_PER_SECOND = 10.0
@@ -54,8 +57,12 @@ class HostSyncFreeMetricsMixin:
 
     def _read_metrics_if_due(self, trainer: pl.Trainer) -> None:
         if self._refresh_due(trainer):
-            # Lightning's own conversion (not the one `lightning_trn.hooks.logging` defers): one `.item()` per value
-            pbar = convert_tensors_to_scalars(dict(trainer.progress_bar_metrics))
+            metrics = trainer.progress_bar_metrics
+            # in a Neuron run, one transfer for all device values, shared with the step's logger (left in Lightning's
+            # store as host copies); Lightning's own conversion (not the one `lightning_trn.hooks.logging` defers)
+            # then reads host tensors
+            values_to_host(trainer, metrics)
+            pbar = convert_tensors_to_scalars(dict(metrics))
             self._cached_metrics = {**get_standard_metrics(trainer), **pbar}
             self._cached_step = trainer.global_step
 

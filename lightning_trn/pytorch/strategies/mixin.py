@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.core.random_state import RANDOM_STATE_KEY
+from lightning_trn.core.sharded_save import remove
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks import registry as lightning_hooks
 from lightning_trn.hooks.logging import settle_progress_bar_metrics
@@ -204,7 +205,9 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Materialise pending device work first, so the tensors copied to the host are the current ones; add every
-        rank's random state (`lightning_trn.core.random_state`). Called on every rank.
+        rank's random state (`lightning_trn.core.random_state`). Called on every rank. A sharded checkpoint (a
+        directory every rank writes part of) replaces the previous one only once complete
+        (`lightning_trn.core.sharded_save`).
 
         Skipped (with a log line) under `NEURON_EXTRACT_GRAPHS_ONLY=1`, where tensors hold fake values.
         """
@@ -217,8 +220,17 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             trainer = module._trainer
             random_state = self._random_state_to_save(_train_prefetchers(trainer), _resumes_mid_epoch(trainer))
             checkpoint = {**checkpoint, RANDOM_STATE_KEY: random_state}
-        checkpoint, filepath = self._split_checkpoint(checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+        with self._save_destination(filepath) as target:
+            checkpoint, target = self._split_checkpoint(checkpoint, target)
+            super().save_checkpoint(checkpoint, target, storage_options=storage_options)  # type: ignore[misc]
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Rank 0 deletes a local checkpoint directory (`ModelCheckpoint`'s `save_top_k`) by renaming it to a hidden
+        name first (`lightning_trn.core.sharded_save.remove`): a kill never leaves half of it under its name."""
+        if not (self.is_global_zero and os.path.isdir(filepath)):  # type: ignore[attr-defined]
+            super().remove_checkpoint(filepath)  # type: ignore[misc]
+            return
+        remove(filepath)
 
     def setup(self, trainer: pl.Trainer) -> None:
         if not self._holds_lightning_hooks:

@@ -65,6 +65,7 @@ void check_index(DeviceIndex index) {
 // ---------------------------------------------------------------------------------------------- counters
 std::atomic<int64_t> g_device_to_host{0};
 std::atomic<int64_t> g_host_to_device{0};
+std::atomic<int64_t> g_host_to_device_bytes{0};
 std::atomic<int64_t> g_scalar_reads{0};
 std::atomic<int64_t> g_host_syncs{0};
 std::atomic<bool> g_strict{false};
@@ -455,7 +456,10 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     on_device_read("copy to the host", self, g_device_to_host);
     if (!non_blocking) on_host_sync();
   }
-  if (self.is_cpu() && dst.is_privateuseone()) g_host_to_device++;
+  if (self.is_cpu() && dst.is_privateuseone()) {
+    g_host_to_device++;
+    g_host_to_device_bytes += static_cast<int64_t>(self.nbytes());
+  }
   at::Tensor dst_host = host_alias(dst);
   at::native::copy_(dst_host, host_alias(self), non_blocking);
   return dst;
@@ -857,6 +861,7 @@ pybind11::dict counters() {
   pybind11::dict out;
   out["device_to_host"] = g_device_to_host.load();
   out["host_to_device"] = g_host_to_device.load();
+  out["host_to_device_bytes"] = g_host_to_device_bytes.load();
   out["scalar_reads"] = g_scalar_reads.load();
   out["host_syncs"] = g_host_syncs.load();
   return out;
@@ -882,6 +887,7 @@ std::vector<std::string> set_host_ops(const std::vector<std::string>& names) {
 void reset_counters() {
   g_device_to_host = 0;
   g_host_to_device = 0;
+  g_host_to_device_bytes = 0;
   g_scalar_reads = 0;
   g_host_syncs = 0;
   std::lock_guard<std::mutex> lock(g_fallback_mutex);

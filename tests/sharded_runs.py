@@ -1,0 +1,88 @@
+"""Runs of tests/scripts/sharded_save_train.py for the sharded-checkpoint kill tests (tests/test_sharded_save.py on
+ZeRO-1, tests/standin/test_sharded_save_dcp.py on DCP), and the check of what a killed run left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_trn.core import sharded_save
+from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from tests.launch import child_env
+
+SCRIPT = Path(__file__).parent / "scripts" / "sharded_save_train.py"
+RUN_TIMEOUT_S = 240
+#: the worker's training steps (one checkpoint `step=<k>.ckpt` and one `last.ckpt` save per step)
+STEPS = 5
+
+
+def run_job(out: Path, kind: str, *args: str, killed: bool = False) -> Path:
+    """Run the 2-rank job in its own process group; return its checkpoint directory. `killed`: the job must end by
+    its own SIGKILL (else the kill point was never reached and nothing was tested)."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--kind", kind, *args]
+    proc = subprocess.Popen(command, env=child_env(), cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the other ranks, if any is left
+        except ProcessLookupError:
+            pass
+    expected = -signal.SIGKILL if killed else 0
+    assert proc.returncode == expected, f"exit {proc.returncode}, expected {expected}:\n{output[-3000:]}"
+    return out / "ckpts"
+
+
+def can_exchange(directory: Path) -> bool:
+    """Whether `directory`'s filesystem swaps two directories in one step (the commit without a window)."""
+    probe = [directory / ".exchange_a", directory / ".exchange_b"]
+    for path in probe:
+        path.mkdir(parents=True)
+    try:
+        return sharded_save._exchange(str(probe[0]), str(probe[1]))
+    finally:
+        for path in probe:
+            path.rmdir()
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint directory, consolidated (what a resume or `python -m lightning_trn.consolidate` reads)."""
+    return NeuronCheckpointIO().load_checkpoint(path)
+
+
+def _assert_equal(value: Any, expected: Any, where: str) -> None:
+    if isinstance(expected, dict):
+        assert isinstance(value, dict) and value.keys() == expected.keys(), where
+        for key in expected:
+            _assert_equal(value[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(value) == len(expected), where
+        for index, (item, wanted) in enumerate(zip(value, expected)):
+            _assert_equal(item, wanted, f"{where}[{index}]")
+    elif isinstance(expected, torch.Tensor):
+        assert torch.equal(value, expected), f"{where} differs from the uninterrupted run's at that step"
+    else:
+        assert value == expected, where
+
+
+def assert_checkpoints_match_reference(ckpts: Path, reference: Path) -> dict[str, int]:
+    """Every checkpoint the run left (each `*.ckpt`: what `ModelCheckpoint` and `ckpt_path="last"` can pick) loads,
+    and its weights and optimizer state equal the uninterrupted run's at the step it claims, exactly: never a mix of
+    two saves. Returns each checkpoint's step."""
+    steps = {}
+    for path in sorted(p for p in ckpts.iterdir() if p.name.endswith(".ckpt")):
+        checkpoint = load(path)
+        step = checkpoint["global_step"]
+        expected = load(reference / f"step={step}.ckpt")
+        for key in ("state_dict", "optimizer_states"):
+            _assert_equal(checkpoint[key], expected[key], f"{path.name}: {key}")
+        steps[path.name] = step
+    return steps

@@ -1,0 +1,48 @@
+"""Atomic torch.distributed.checkpoint saves: a 2-rank FSDP job (`strategy="fsdp"` on the stand-in's `neuron`
+devices, DCP directories, `ModelCheckpoint(save_last=True, every_n_train_steps=1)`) killed with SIGKILL inside a
+save leaves only checkpoints that load and equal the uninterrupted run's at the step they claim, and resumes exactly.
+The protocol itself: `lightning_trn.core.sharded_save`, tested in tests/test_sharded_save.py with ZeRO-1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.sharded_runs import STEPS, assert_checkpoints_match_reference, can_exchange, load, run_job
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted job, every step's checkpoint kept."""
+    return run_job(tmp_path_factory.mktemp("reference"), "dcp", "--keep-all")
+
+
+@pytest.mark.slow
+def test_killed_after_rank_1s_shards_keeps_the_previous_checkpoint_and_resumes_exactly(
+    tmp_path: Path, reference: Path
+) -> None:
+    """Save 6 (`last.ckpt` of step 3): rank 1 wrote its `__1_0.distcp`, rank 0 (which writes `.metadata` last) had
+    not written yet. Written in place, `last.ckpt` would load without an error as step 2 with rank 1's shards of
+    step 3."""
+    ckpts = run_job(tmp_path, "dcp", "--kill", "6:1:wrote", killed=True)
+    assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 2, "step=3.ckpt": 3}
+    run_job(tmp_path, "dcp", "--resume", "last")
+    assert load(ckpts / "last.ckpt")["global_step"] == STEPS
+    assert_checkpoints_match_reference(ckpts, reference)
+
+
+@pytest.mark.slow
+def test_killed_after_rank_0s_shards_of_a_new_checkpoint_keeps_the_older_one(tmp_path: Path, reference: Path) -> None:
+    """Save 5 (`step=3.ckpt`, a new name): rank 0 wrote its shards, rank 1 had not. `step=3.ckpt` does not appear;
+    `step=2.ckpt` was not deleted yet (ModelCheckpoint deletes it after the new one is saved)."""
+    ckpts = run_job(tmp_path, "dcp", "--kill", "5:0:wrote", killed=True)
+    assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 2, "step=2.ckpt": 2}
+
+
+@pytest.mark.slow
+def test_killed_right_after_the_commit_has_the_new_checkpoint(tmp_path: Path, reference: Path) -> None:
+    if not can_exchange(tmp_path):
+        pytest.skip("this filesystem cannot exchange two directories (tests/test_sharded_save.py covers its renames)")
+    ckpts = run_job(tmp_path, "dcp", "--kill", "6:0:commit", killed=True)
+    assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 3, "step=3.ckpt": 3}
