@@ -16,8 +16,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_trn.core.checkpoint_io import atomic_local_save, to_portable
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint_io import NeuronCheckpointIO, atomic_local_save, to_portable
 from lightning_trn.core.precision import NeuronPrecisionCore
 from lightning_trn.core.process_group import ProcessGroupCore
 from lightning_trn.core.zero1 import (
