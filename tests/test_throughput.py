@@ -4,6 +4,7 @@ the precision's compute dtype, adds no device read, and CPU runs keep Lightning'
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,3 +131,46 @@ def test_no_peak_on_xla_cpu_or_the_standin_is_said_once(tmp_path, monkeypatch):
     assert sum("no peak FLOP/s" in str(w.message) for w in warned) == 1
     assert not any("train/device/mfu" in row for row in logger.rows)
     assert any("train/device/samples_per_sec" in row for row in logger.rows)
+
+
+def test_tensor_parallel_groups_count_once(monkeypatch):
+    """8 processes as 4 data-parallel replicas x tensor parallel over 2 (a real `DeviceMesh` over PyTorch's fake
+    process group): each group of 2 works on one batch, so totals count 4 replicas, not 8, and MFU is measured
+    against the group's 2 devices. Without the `setup` wrapper every figure would be 2x."""
+    import torch.distributed as dist
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_trn.hooks.throughput import tensor_parallel_size
+
+    peak, batch, seconds = 100e12, 4, 0.5
+    monkeypatch.setattr(throughput_monitor, "get_available_flops", lambda device, dtype: peak)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        module = Flops()
+        module._device_mesh = mesh
+        assert tensor_parallel_size(module) == 2 and tensor_parallel_size(Flops()) == 1
+        # what `ThroughputMonitor.setup` reads of a Trainer
+        trainer = SimpleNamespace(precision_plugin=MixedPrecision("bf16-mixed", "cpu"), enable_validation=True,
+                                  strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=8,
+                                  state=SimpleNamespace(stage=RunningStage.TRAINING))
+        monitor = ThroughputMonitor(batch_size_fn=len, window_size=2)
+        monitor.setup(trainer, module, "fit")
+        training = monitor._throughputs[RunningStage.TRAINING]
+        for step in range(2):
+            training.update(time=step * seconds, batches=step + 1, samples=(step + 1) * batch, flops=FLOPS_PER_BATCH)
+        metrics = training.compute()
+        # a later setup (validate after fit) counts its own per group, and leaves fit's alone
+        trainer.state.stage = RunningStage.VALIDATING
+        monitor.setup(trainer, module, "validate")
+    finally:
+        dist.destroy_process_group()
+    assert metrics["device/samples_per_sec"] == batch / seconds  # per tensor-parallel group
+    assert metrics["samples_per_sec"] == 4 * batch / seconds
+    assert metrics["flops_per_sec"] == 4 * FLOPS_PER_BATCH / seconds
+    assert metrics["device/mfu"] == pytest.approx(FLOPS_PER_BATCH / seconds / (2 * peak))
+    assert monitor._throughputs[RunningStage.TRAINING] is training
+    for counted in (training, monitor._throughputs[RunningStage.VALIDATING]):
+        assert (counted.world_size, counted.available_flops) == (4, 2 * peak)

@@ -6,6 +6,12 @@ server), and `_plugin_to_compute_dtype` reads any precision plugin it does not k
 Trainer's callback module: a NeuronCore device gets its dense peak from `PEAK_FLOPS` below and a Neuron precision
 plugin its compute dtype; every other device and plugin goes to Lightning's originals unchanged. Measuring adds no
 host sync: `ThroughputMonitor` reads the host clock and the batch's shape, never a device value.
+
+Under tensor parallelism the devices of a group work on one batch together, but the Trainer's `ThroughputMonitor`
+counts every process as a replica (`world_size`): samples, tokens and FLOPs would be counted once per device of the
+group, and MFU measured against one device's peak. Its `setup` is wrapped too, so each tensor-parallel group counts
+once: the totals are over `world_size / tp` replicas, the `device/*` rates are per group, and MFU is the group's
+FLOP/s over the group's peak (`tp` devices).
 """
 
 from __future__ import annotations
@@ -102,12 +108,41 @@ def _compute_dtype(original: Callable[[Any], torch.dtype]) -> Callable[[Any], to
     return plugin_to_compute_dtype
 
 
-#: (module, attribute, wrapper): the functions `ThroughputMonitor` calls, in Fabric's and the Trainer's modules
+def tensor_parallel_size(pl_module: Any) -> int:
+    """Devices per tensor-parallel group: the size of the `tensor_parallel` dimension of the module's device mesh (as
+    Lightning's `ModelParallelStrategy` names it), 1 without one."""
+    mesh = getattr(pl_module, "device_mesh", None)
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh["tensor_parallel"].size()
+
+
+def _monitor_setup(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def setup(self: Any, trainer: Any, pl_module: Any, stage: str) -> None:
+        before = dict(self._throughputs)
+        original(self, trainer, pl_module, stage)
+        tp = tensor_parallel_size(pl_module)
+        if tp == 1:
+            return
+        for key, throughput in self._throughputs.items():
+            if before.get(key) is throughput:  # made by an earlier setup: already counted per group
+                continue
+            throughput.world_size = trainer.world_size // tp
+            if throughput.available_flops:
+                throughput.available_flops *= tp
+
+    return setup
+
+
+#: (module, attribute, wrapper): the functions `ThroughputMonitor` calls, in Fabric's and the Trainer's modules, and
+#: the Trainer's `ThroughputMonitor.setup`
 _WRAPPED = (
     ("lightning.fabric.utilities.throughput", "get_available_flops", _available_flops),
     ("lightning.fabric.utilities.throughput", "_plugin_to_compute_dtype", _compute_dtype),
     ("lightning.pytorch.callbacks.throughput_monitor", "get_available_flops", _available_flops),
     ("lightning.pytorch.callbacks.throughput_monitor", "_plugin_to_compute_dtype", _compute_dtype),
+    ("lightning.pytorch.callbacks.throughput_monitor", "ThroughputMonitor.setup", _monitor_setup),
 )
 
 
@@ -117,11 +152,14 @@ def install_throughput_hooks() -> None:
 
     if not lightning_version_tested():
         return
-    for module_name, name, wrapper in _WRAPPED:
-        module = importlib.import_module(module_name)
-        original = getattr(module, name, None)
+    for module_name, attribute, wrapper in _WRAPPED:
+        owner: Any = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name, None)
         if original is None or getattr(original, "_lightning_trn", False):
             continue
         wrapped = wrapper(original)
         wrapped._lightning_trn = True  # type: ignore[attr-defined]
-        setattr(module, name, wrapped)
+        setattr(owner, name, wrapped)

@@ -6,6 +6,7 @@ trained at run time. `python -m recipes.llm --help`; `python -m recipes.llm pres
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Sequence
@@ -17,10 +18,12 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics import Metric
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from lightning_trn.hooks.throughput import tensor_parallel_size
 from lightning_trn.recipes.cli import main
 from lightning_trn.recipes.common import FRACTION, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, Recipe, RecipeConfig, checked
 from lightning_trn.recipes.data import shuffled_split
@@ -353,7 +356,7 @@ def apply_tp(net: LlamaForCausalLM, tp_mesh: Any) -> None:
 def apply_ac(net: LlamaForCausalLM) -> None:
     """Checkpoint each decoder layer (Hugging Face's non-reentrant gradient checkpointing: it keeps the module names,
     so checkpoints load into a model without it)."""
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def apply_fsdp(net: LlamaForCausalLM, dp_mesh: Any, param_dtype: Optional[torch.dtype] = None) -> None:
@@ -451,8 +454,8 @@ class CausalLM(pl.LightningModule):
                 self.net = LlamaForCausalLM(config)
         else:
             self.net = LlamaForCausalLM(config)
-        if activation_checkpointing:
-            self.net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if activation_checkpointing and not meta_init:  # built on meta: `configure_model` applies it in order
+            apply_ac(self.net)
         self.val_loss, self.val_ppl = TokenMean(), TokenMean(exp=True)
         self.test_loss, self.test_ppl = TokenMean(), TokenMean(exp=True)
         self.tokenizer_json: Optional[str] = None
@@ -463,14 +466,34 @@ class CausalLM(pl.LightningModule):
         mask = causal_mask(input_ids.shape[1], self.net.config._attn_implementation, self.net.dtype, input_ids.device)
         return self.net(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
 
+    def _loss_parallel(self) -> contextlib.AbstractContextManager:
+        """`loss_parallel()` where the logits are split over the vocabulary (`apply_tp`), else nothing: the cross
+        entropy's forward and its backward both need it."""
+        if tensor_parallel_size(self) == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy of every predicted token (labels shifted by one, `IGNORE_INDEX` skipped) and their
-        count, both on the device."""
+        count, both on the device. Under tensor parallel the logits stay split over the vocabulary and the sum is
+        computed under `loss_parallel`; it comes back as a plain tensor (its backward is `backward`'s)."""
         logits = self(batch["input_ids"])[:, :-1]
         targets = batch["labels"][:, 1:]
-        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="sum")
+        with self._loss_parallel():
+            total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="sum")
+        if isinstance(total, DTensor):  # replicated after loss_parallel's all-reduce: no communication
+            total = total.full_tensor()
         return total, (targets != IGNORE_INDEX).sum()
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's backward (automatic optimization) under `loss_parallel`, which the cross entropy's backward
+        over vocabulary-split logits needs as much as its forward: entering it in `training_step` alone would be
+        left before the Trainer runs backward."""
+        with self._loss_parallel():
+            super().backward(loss, *args, **kwargs)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         total, count = self.loss_sum(batch)
@@ -506,20 +529,26 @@ class CausalLM(pl.LightningModule):
         self.flops_per_batch = per_token * datamodule.batch_size * hp.seq_len
 
     def configure_model(self) -> None:
-        """Under `ModelParallelStrategy` (`trainer.strategy=model_parallel`): `parallelize` over its device mesh. FSDP
-        strategies (`trainer.strategy=fsdp`) shard by their `auto_wrap_policy` after this hook, so nothing here."""
+        """Under `ModelParallelStrategy` (`trainer.strategy=model_parallel`): `parallelize` over its device mesh
+        (tensor parallel, activation checkpointing, FSDP2 with bf16 parameters under bf16 precision). FSDP strategies
+        (`trainer.strategy=fsdp`) shard by their `auto_wrap_policy` after this hook: here only the checkpointing of
+        a model built on meta, which `__init__` leaves to this hook."""
         from lightning.pytorch.strategies import FSDPStrategy
 
         from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 
+        if self._parallelized:
+            return
         if self.device_mesh is None and self._init_rng_state is not None:  # meta_init, nothing to shard: all here
             from lightning_trn.core.model_parallel import materialize
 
             materialize(self, self.trainer.strategy.root_device)
-        if self.device_mesh is None or self._parallelized:
-            return
-        if not isinstance(self.trainer.strategy, (FSDPStrategy, NeuronFSDPStrategy)):
-            parallelize(self.net, self.device_mesh)
+        checkpointing = self.hparams.activation_checkpointing and self._init_rng_state is not None
+        if self.device_mesh is not None and not isinstance(self.trainer.strategy, (FSDPStrategy, NeuronFSDPStrategy)):
+            bf16 = str(self.trainer.precision).startswith("bf16")
+            parallelize(self.net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None)
+        elif checkpointing:
+            apply_ac(self.net)
         self._parallelized = True
 
     def materialization_steps(self) -> list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]]:
@@ -556,8 +585,6 @@ class CausalLM(pl.LightningModule):
         optimizer = torch.optim.AdamW(
             [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
             lr=hp.lr, betas=(0.9, 0.95),
-            # sharded, the parameters mix DTensors (tensor parallel) and tensors or meshes, which foreach ops refuse
-            foreach=False if self.device_mesh is not None else None,
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup, floor = hp.warmup_steps, hp.min_lr_ratio

@@ -54,8 +54,10 @@ def _train_losses(run_dir: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_tensor_parallel_llm_trains_like_one_device(tmp_path) -> None:
-    """`trainer.strategy=model_parallel model.tensor_parallel_size=2` (`recipes.llm.parallelize`: column-wise q/k/v
-    and gate/up, row-wise o and down) gives the one-device run's losses on the same batches."""
+    """`trainer.strategy=model_parallel model.tensor_parallel_size=2` (`recipes.llm.parallelize`, TorchTitan's whole
+    plan: embedding and LM head split over the vocabulary, the cross entropy under `loss_parallel`, column-wise q/k/v
+    and gate/up, row-wise o and down, sequence-parallel norms; AdamW on its default `foreach` path) gives the
+    one-device run's losses on the same batches."""
     short = ["trainer.limit_train_batches=10", "trainer.log_every_n_steps=5", "trainer.limit_val_batches=2",
              "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false"]
     runs = {
@@ -72,16 +74,19 @@ def test_tensor_parallel_llm_trains_like_one_device(tmp_path) -> None:
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         ppl[name] = float(re.search(r"val_ppl=([0-9.]+)", run.stdout).group(1))
-    # the sharded checkpoint holds each block matrix in two halves: column-wise split by rows, row-wise by columns
+    # the sharded checkpoint holds each block matrix in two halves (column-wise split by rows, row-wise by columns),
+    # the embedding and LM head in two vocabulary halves, and the norms whole
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(str(tmp_path / "tp2" / "checkpoints" / "last.ckpt")).read_metadata().state_dict_metadata
     layer = "state_dict.net.model.layers.1."
-    halves = {name: [tuple(c.sizes) for c in saved[layer + name + ".weight"].chunks]
-              for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")}
-    assert halves == {"self_attn.q_proj": [(64, 128)] * 2, "self_attn.k_proj": [(32, 128)] * 2,
-                      "self_attn.o_proj": [(128, 64)] * 2, "mlp.up_proj": [(192, 128)] * 2,
-                      "mlp.down_proj": [(128, 192)] * 2}, halves
+    names = [layer + name for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj",
+                                       "mlp.down_proj", "input_layernorm")]
+    names += ["state_dict.net.model.embed_tokens", "state_dict.net.lm_head", "state_dict.net.model.norm"]
+    halves = {name.rsplit(".", 1)[-1]: [tuple(c.sizes) for c in saved[name + ".weight"].chunks] for name in names}
+    assert halves == {"q_proj": [(64, 128)] * 2, "k_proj": [(32, 128)] * 2, "o_proj": [(128, 64)] * 2,
+                      "up_proj": [(192, 128)] * 2, "down_proj": [(128, 192)] * 2, "input_layernorm": [(128,)],
+                      "embed_tokens": [(1024, 128)] * 2, "lm_head": [(1024, 128)] * 2, "norm": [(128,)]}, halves
     single, tp2 = _train_losses(tmp_path / "single"), _train_losses(tmp_path / "tp2")
     assert len(single) == 2 and single[-1] < single[0]
     assert tp2 == pytest.approx(single, abs=1e-4) and ppl["tp2"] == pytest.approx(ppl["single"], rel=1e-4)

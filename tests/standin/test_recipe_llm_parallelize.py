@@ -1,0 +1,50 @@
+"""The LLM recipe's `parallelize` (TorchTitan's `parallelize_llama` for Hugging Face's Llama) on the trn2-8b preset at
+its real world size: 64 ranks as FSDP2 over 16 x tensor parallel over 4, on the meta device over torch's fake process
+group (one process, no memory). Its numerics are proven elsewhere: tests/standin/test_recipe_llm_native.py trains
+tensor parallel exactly like one device.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_trn.recipes import cli, llm
+from tests.standin.fake_group import fake_process_group
+
+
+def test_trn2_8b_preset_makes_every_parameter_a_dtensor_on_one_mesh() -> None:
+    """`configure_model` under the preset (bf16-mixed, activation checkpointing): every parameter, embedding, norms
+    and output projection included, is a DTensor on the one 2-D mesh (what AdamW's default `foreach` needs), sharded
+    by FSDP2 over `data_parallel` and by the plan over `tensor_parallel`; FSDP2 computes in bf16 and reduces in
+    fp32; each decoder layer is checkpointed."""
+    cfg = cli.load_config(llm.RECIPE, [*llm.PRESETS["trn2-8b"], "model.num_layers=2"])
+    module = llm.build_model(cfg)
+    with fake_process_group(64):
+        mesh = init_device_mesh("cpu", (16, 4), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        module._device_mesh = mesh
+        module._trainer = SimpleNamespace(strategy=SimpleNamespace(), precision=cfg.trainer.precision)
+        module.configure_model()
+        params = dict(module.net.named_parameters())
+        assert all(isinstance(p, DTensor) and p.device_mesh == mesh for p in params.values())
+        # FSDP2 shards dim 0 of every parameter (`_StridedShard` where tensor parallel split dim 0 first)
+        assert all(p.placements[0].dim == 0 for p in params.values())
+        rows, columns = Shard(0), Shard(1)  # a Linear's weight is (out, in): column-wise splits its rows
+        expected = {
+            "model.embed_tokens.weight": rows, "lm_head.weight": rows,  # both split over the vocabulary
+            "model.norm.weight": Replicate(), "model.layers.0.input_layernorm.weight": Replicate(),
+            "model.layers.0.post_attention_layernorm.weight": Replicate(),
+            "model.layers.0.self_attn.q_proj.weight": rows, "model.layers.0.self_attn.k_proj.weight": rows,
+            "model.layers.0.self_attn.o_proj.weight": columns, "model.layers.0.mlp.up_proj.weight": rows,
+            "model.layers.0.mlp.down_proj.weight": columns,
+        }
+        assert {name: params[name].placements[1] for name in expected} == expected
+        # one rank's shard of the output projection: 32000 / 4 vocabulary rows, then a 16th of those by FSDP2
+        assert params["lm_head.weight"].to_local().shape == (8000 // 16, 4096)
+        for fsdp_module in (module.net, *module.net.model.layers):
+            policy = fsdp_module._get_fsdp_state()._mp_policy
+            assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+        assert all(layer.gradient_checkpointing for layer in module.net.model.layers)
