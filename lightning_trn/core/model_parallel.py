@@ -59,20 +59,23 @@ def lightning_model_parallel_arguments(strategy: Any) -> dict[str, Any]:
     return arguments
 
 
-def _local_part(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's part of `full` (a host tensor every rank holds alike) as `like` holds it, without copying: a
-    DTensor's local shard is the block `compute_local_shape_and_global_offset` gives (the blocks DCP saves and loads),
-    anything else is all of it. So only the shard travels to the device."""
+def local_block(shape: torch.Size, like: Tensor) -> tuple[slice, ...]:
+    """The block of a tensor of global `shape` that `like` holds on this rank, one slice per dimension: a DTensor's
+    local shard is the block `compute_local_shape_and_global_offset` gives (the blocks DCP saves and loads),
+    anything else holds all of it."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(like, DTensor):
-        return full
-    shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
-    part = full
-    for dim, (size, start) in enumerate(zip(shape, offset)):
-        part = part.narrow(dim, start, size)
-    return part
+        return tuple(slice(0, size) for size in shape)
+    local_shape, offset = compute_local_shape_and_global_offset(shape, like.device_mesh, like.placements)
+    return tuple(slice(start, start + size) for size, start in zip(local_shape, offset))
+
+
+def _local_part(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's part of `full` (a host tensor every rank holds alike) as `like` holds it, without copying
+    (`local_block`): only the shard travels to the device."""
+    return full[local_block(full.shape, like)]
 
 
 #: a module's own initialization of the submodules it was built with on the meta device, used by `materialize`:
@@ -136,6 +139,13 @@ def _copy_shards(submodule: Module, values: dict[str, Tensor]) -> None:
             local.copy_(_local_part(full, tensor))
 
 
+def empty_meta_tensors(module: Module, device: torch.device) -> None:
+    """Give the module's meta tensors uninitialized storage on `device`, the others untouched (`to_empty` would
+    empty every tensor `_apply` reaches, torchmetrics' states included: a recipe's running validation sums). FSDP2
+    re-points its sharded parameters in its `_apply`."""
+    module._apply(lambda tensor: torch.empty_like(tensor, device=device) if tensor.is_meta else tensor)
+
+
 def materialize(
     module: Module, device: torch.device, seed_checkpoint: Optional[_PATH] = None,
     host_values: Optional[HostValues] = None,
@@ -158,9 +168,7 @@ def materialize(
     """
     if not _has_meta_device_parameters_or_buffers(module):
         return
-    # `to_empty` on the meta tensors only: it would empty every tensor `_apply` reaches, torchmetrics' states
-    # included (a recipe's running validation sums). FSDP2 re-points its sharded parameters in its `_apply`.
-    module._apply(lambda tensor: torch.empty_like(tensor, device=device) if tensor.is_meta else tensor)
+    empty_meta_tensors(module, device)
     if seed_checkpoint is not None:
         load_seed_checkpoint(module, seed_checkpoint)
         return

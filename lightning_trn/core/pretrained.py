@@ -1,0 +1,246 @@
+"""Pretrained weights from a Hugging Face `save_pretrained` folder, read straight into a (sharded) model.
+
+`load_pretrained(module, path)` fills a model built on the meta device or on the host and then parallelized (FSDP2
+`fully_shard`, DTensor tensor parallelism, both; or plain tensors: single device, DDP, ZeRO-1) from the folder's
+safetensors files. Each rank reads only the block of each tensor it keeps (`safe_open(...).get_slice(key)[block]`,
+the block DCP would give it, `lightning_trn.core.model_parallel.local_block`), one tensor at a time, each file opened
+for that tensor only: a rank's host holds its shards (on the stand-in device they are host memory too) plus one
+tensor's block, never the model. Called from `configure_model` (Trainer) or a Fabric `parallelize_fn` after
+parallelizing, it gives meta tensors their storage itself, so the strategy's `materialize` finds nothing left to draw.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+
+from lightning_trn.core.model_parallel import _copy_shards, _own_tensors, _run_on_host, empty_meta_tensors, local_block
+
+#: `config.json` `model_type`s whose `AutoModelForCausalLM` layout (names and shapes) is the Llama one this loader
+#: is tested on
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: name segments that wrappers insert and `state_dict()` hides (activation checkpointing, `torch.compile`)
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_SHOWN = 5
+
+
+def meta_model_from_pretrained(path: Union[str, Path], **from_config_kwargs: Any) -> Module:
+    """`AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))` built on the meta device (no memory,
+    nothing drawn), for parallelizing and then `load_pretrained(model, path)`. Keyword arguments go to
+    `from_config` (e.g. `attn_implementation="eager"`).
+
+    Raises:
+        ValueError: the folder's `model_type` is not one of `SUPPORTED_MODEL_TYPES`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{str(path)!r} holds a {config.model_type!r} model; lightning_trn loads pretrained causal language "
+            f"models of the Llama layout: model_type {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **from_config_kwargs)
+
+
+def load_pretrained(
+    module: Module, path: Union[str, Path], prefix: Optional[str] = None, device: Optional[torch.device] = None
+) -> Module:
+    """Fill `module`'s parameters and persistent buffers, in place, from the `save_pretrained` folder `path`
+    (`model.safetensors`, or shards listed in `model.safetensors.index.json`), each rank reading only its blocks.
+    Values are cast to each tensor's dtype. Tied tensors stay tied (a tied group needs any one of its names in the
+    files, as `lm_head.weight` is absent with `tie_word_embeddings`). Returns `module`.
+
+    Non-persistent buffers (the rotary `inv_freq`) are not in the files: the module's own values are kept; on the
+    meta device they are computed on the host by the innermost Hugging Face model's `_init_weights` (or
+    `reset_parameters`) and copied over.
+
+    Args:
+        prefix: where the Hugging Face model sits in `module` (`"model."` for a LightningModule's `self.model`);
+            None: found by matching the files' names to the ends of the module's.
+        device: where meta tensors get storage; None: the attached Trainer's root device (`configure_model`).
+
+    Raises:
+        ValueError: names missing from the files, names the module lacks, shapes that differ (a few of each are
+            listed), or meta tensors with no `device` to put them on.
+        FileNotFoundError: the folder has no safetensors weights.
+    """
+    from torch.distributed.tensor import DTensor
+
+    files = _weight_files(Path(path))
+    shapes = _file_shapes(files)
+    groups = _tensor_groups(module)
+    names = {name for group in groups for name in group[0]}
+    prefix = _find_prefix(names, set(shapes)) if prefix is None else prefix
+    sources = _match(groups, shapes, prefix, path)
+    if any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()]):
+        unfilled = [sub for sub in module.modules() if any(
+            tensor.is_meta and name in sub._non_persistent_buffers_set for name, tensor in _own_tensors(sub).items())]
+        empty_meta_tensors(module, _device(module, device))
+        _retie(groups)
+        _initialize(module, unfilled)
+    with torch.no_grad():
+        for (_, slots), key in zip(groups, sources):
+            submodule, attribute = slots[0]
+            tensor = _own_tensors(submodule)[attribute]
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local.copy_(read_block(files[key], key, local_block(torch.Size(shapes[key]), tensor)))
+    return module
+
+
+def read_block(file: Path, key: str, block: tuple[slice, ...]) -> Tensor:
+    """The `block` of tensor `key` in the safetensors `file`, read alone: the file is mapped for this read only, so
+    no more of it stays resident than the block."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as handle:
+        return handle.get_slice(key)[block] if block else handle.get_tensor(key)
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Each tensor name of the folder's weights and the file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {key: path / file for key, file in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as handle:
+            return {key: single for key in handle.keys()}
+    raise FileNotFoundError(
+        f"{str(path)!r} has neither model.safetensors nor model.safetensors.index.json: save the model with "
+        "`save_pretrained(path, safe_serialization=True)`."
+    )
+
+
+def _file_shapes(files: dict[str, Path]) -> dict[str, list[int]]:
+    """The shape of every tensor, from the files' headers (nothing else is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="pt") as handle:
+            shapes.update({key: handle.get_slice(key).get_shape() for key in handle.keys() if files.get(key) == file})
+    return shapes
+
+
+#: a tensor's names in the module (wrapper segments removed) and the (submodule, attribute) slots that hold it
+_Group = tuple[list[str], list[tuple[Module, str]]]
+
+
+def _slots(module: Module) -> list[tuple[str, tuple[Module, str], Tensor]]:
+    """Every (name, slot, tensor) of a parameter or persistent buffer, tied ones once per slot."""
+    slots = []
+    for module_name, submodule in module.named_modules(remove_duplicate=False):
+        for attribute, tensor in _own_tensors(submodule).items():
+            if attribute in submodule._non_persistent_buffers_set:
+                continue
+            name = f"{module_name}.{attribute}" if module_name else attribute
+            for segment in _WRAPPER_SEGMENTS:
+                name = name.replace(segment, "")
+            slots.append((name, (submodule, attribute), tensor))
+    return slots
+
+
+def _tensor_groups(module: Module) -> list[_Group]:
+    """The module's tensors, tied ones (one tensor in several slots) as one group."""
+    groups: dict[int, _Group] = {}
+    for name, slot, tensor in _slots(module):
+        names, slots = groups.setdefault(id(tensor), ([], []))
+        if name not in names:
+            names.append(name)
+        if slot not in slots:
+            slots.append(slot)
+    return list(groups.values())
+
+
+def _find_prefix(names: set[str], keys: set[str]) -> str:
+    """The prefix `p` for which most file keys `k` are module names `p + k`: where the Hugging Face model sits."""
+    counts = Counter(name[: len(name) - len(key)] for key in keys for name in names
+                     if name.endswith(key) and (len(name) == len(key) or name[len(name) - len(key) - 1] == "."))
+    return max(counts, key=lambda prefix: (counts[prefix], -len(prefix))) if counts else ""
+
+
+def _listed(items: list[str]) -> str:
+    return ", ".join(items[:_SHOWN]) + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def _match(groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path: Any) -> list[str]:
+    """The file key each group loads from.
+
+    Raises:
+        ValueError: missing, unexpected or shape-mismatched names.
+    """
+    sources: list[str] = []
+    missing, mismatched, used = [], [], set()
+    for names, slots in groups:
+        keys = [name[len(prefix):] for name in names if name.startswith(prefix) and name[len(prefix):] in shapes]
+        used.update(keys)
+        if not keys:
+            missing.append(names[0])
+            continue
+        tensor = _own_tensors(slots[0][0])[slots[0][1]]
+        if list(tensor.shape) != list(shapes[keys[0]]):
+            mismatched.append(f"{keys[0]} {list(shapes[keys[0]])} vs {list(tensor.shape)}")
+        sources.append(keys[0])
+    unexpected = sorted(set(shapes) - used)
+    problems = [f"{what} ({len(items)}): {_listed(items)}" for what, items in (
+        ("missing from the files", missing), ("in the files but not in the module", unexpected),
+        ("shape in the files vs the module", mismatched)) if items]
+    if problems:
+        raise ValueError(
+            f"The weights in {str(path)!r} do not fit the module (module names taken as {prefix!r} + the files' "
+            f"names): {'; '.join(problems)}. Build the module from the folder's config.json "
+            "(`lightning_trn.meta_model_from_pretrained`) and pass `prefix=` if the names differ by more than a prefix."
+        )
+    return sources
+
+
+def _device(module: Module, device: Optional[torch.device]) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        return trainer.strategy.root_device
+    raise ValueError(
+        "The module has tensors on the meta device: pass `device=` (the strategy's `root_device`, Fabric's "
+        "`fabric.device`) to give them storage there."
+    )
+
+
+def _retie(groups: list[_Group]) -> None:
+    """Put a tied group's first tensor back into all its slots: giving meta tensors storage replaces each slot's
+    tensor on its own, which would untie them."""
+    for _, slots in groups:
+        first = _own_tensors(slots[0][0])[slots[0][1]]
+        for submodule, attribute in slots[1:]:
+            (submodule._parameters if attribute in submodule._parameters else submodule._buffers)[attribute] = first
+
+
+def _initialize(module: Module, submodules: list[Module]) -> None:
+    """Initialize `submodules` (those with meta-born non-persistent buffers, which no file holds) on the host with
+    their innermost Hugging Face model's `_init_weights`, or their own `reset_parameters`, and copy their shards to
+    the device; the loaded tensors are written afterwards, so what this drew for them does not survive."""
+    inits: dict[Module, Callable[[Module], None]] = {}
+    for owner in module.modules():
+        init = getattr(owner, "_init_weights", None)
+        if callable(init) and hasattr(owner, "config"):
+            inits.update({sub: init for sub in owner.modules()})  # inner models come later and win
+    for submodule in submodules:
+        init = inits.get(submodule)
+        if init is None and callable(getattr(submodule, "reset_parameters", None)):
+            init = lambda sub: sub.reset_parameters()  # noqa: E731
+        if init is None:
+            raise ValueError(
+                f"{type(submodule).__name__} was built on the meta device and has non-persistent buffers, which no "
+                "weights file holds, and no `reset_parameters()` to compute them: build it on the host."
+            )
+        _copy_shards(submodule, _run_on_host(submodule, init))

@@ -1,0 +1,168 @@
+"""Worker script for tests/standin/test_pretrained.py: a `save_pretrained` folder loaded into a model built on the meta
+device (`meta_model_from_pretrained`) and parallelized on stand-in `neuron` devices, `load_pretrained` called after
+sharding; the strategy's `materialize`, which runs afterwards, then finds nothing to draw.
+
+`--trainer`: the Trainer's `NeuronModelParallelStrategy`, a LightningModule holding the model as `self.model` and
+loading it in `configure_model`, FSDP2 over `data_parallel` (each decoder layer and the root), logits from
+`trainer.predict`. Otherwise Fabric's, loading at the end of `parallelize_fn`, tensor parallelism first when `--tp 2`
+(attention and MLP projections column/row-wise: FSDP2 then shards them `_StridedShard`). Each rank writes to --out
+`run-<rank>.json`: the bytes it read from the files (counted at `safetensors.safe_open`) and the bytes it holds,
+its host peak while loading (`/proc/self/status` VmHWM after `clear_refs` reset it, minus VmRSS before), whether the
+embeddings are tied; and its logits for fixed token ids (`logits-<rank>.pt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import safetensors  # its extension's code pages load here, before the memory measured while loading
+import torch
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
+
+import lightning_trn  # noqa: F401  registers accelerator="neuron"
+from lightning_trn.core import pretrained
+from lightning_trn.fabric import NeuronModelParallelStrategy as FabricModelParallelStrategy
+from lightning_trn.pytorch.strategies import NeuronModelParallelStrategy
+
+read_bytes = 0
+
+
+class CountingFile:
+    """`safetensors.safe_open` counting the bytes of every tensor or slice read from the file (headers are free)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.file = SAFE_OPEN(*args, **kwargs)
+
+    def __enter__(self) -> "CountingFile":
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self.file.keys()
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return counted(self.file.get_tensor(key))
+
+    def get_slice(self, key: str) -> "CountingSlice":
+        return CountingSlice(self.file.get_slice(key))
+
+
+class CountingSlice:
+    def __init__(self, part: object) -> None:
+        self.part = part
+
+    def get_shape(self) -> list[int]:
+        return self.part.get_shape()
+
+    def __getitem__(self, block: object) -> torch.Tensor:
+        return counted(self.part[block])
+
+
+def counted(tensor: torch.Tensor) -> torch.Tensor:
+    global read_bytes
+    read_bytes += tensor.nbytes
+    return tensor
+
+
+SAFE_OPEN, safetensors.safe_open = safetensors.safe_open, CountingFile
+
+
+def status_kib(field: str) -> int:
+    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+def shard(model: torch.nn.Module, mesh: Any, tp: int) -> None:
+    """Tensor parallel projections when `tp` > 1, then FSDP2 on each decoder layer and the root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if tp > 1:
+        plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+                "self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tensor_parallel"], plan)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+
+
+def measured_load(module: torch.nn.Module, path: str, record: dict, **kwargs: Any) -> None:
+    """`load_pretrained`, recording this process's host peak over its resident memory before, the bytes read and
+    held, and whether the embeddings are tied."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from VmRSS
+    before = status_kib("VmRSS")
+    pretrained.load_pretrained(module, path, **kwargs)
+    record["load_peak_bytes"] = (status_kib("VmHWM") - before) * 1024
+    record["read_bytes"] = read_bytes
+    named = dict(module.named_parameters())  # before any forward, which leaves the root's parameters unsharded
+    record["held_bytes"] = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in named.values())
+    model = module.model if isinstance(module, FineTune) else module
+    record["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+
+
+class FineTune(pl.LightningModule):
+    """The documented use: the Hugging Face model built on meta in `__init__`, sharded and loaded in
+    `configure_model` (prefix `model.` found, device the strategy's)."""
+
+    def __init__(self, path: str, record: dict) -> None:
+        super().__init__()
+        self.path, self.record = path, record
+        self.model = pretrained.meta_model_from_pretrained(path, attn_implementation="eager")
+
+    def configure_model(self) -> None:
+        shard(self.model, self.device_mesh, tp=1)
+        measured_load(self, self.path, self.record)
+
+    def predict_step(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids).logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--trainer", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    record: dict = {}
+    ids = torch.arange(14).reshape(2, 7) * 7
+    if args.trainer:
+        module = FineTune(args.model, record)
+        trainer = pl.Trainer(accelerator="neuron", devices=args.dp, strategy=NeuronModelParallelStrategy(
+            data_parallel_size=args.dp, tensor_parallel_size=1), logger=False, enable_progress_bar=False,
+            use_distributed_sampler=False)
+        ids %= module.model.config.vocab_size
+        logits = trainer.predict(module, DataLoader([ids], batch_size=None))[0]
+        rank = trainer.global_rank
+    else:
+        def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+            shard(model, mesh, args.tp)
+            measured_load(model, args.model, record, device=fabric.device)
+            return model
+
+        strategy = FabricModelParallelStrategy(parallelize, data_parallel_size=args.dp, tensor_parallel_size=args.tp)
+        fabric = Fabric(accelerator="neuron", devices=args.dp * args.tp, strategy=strategy)
+        fabric.launch()
+        meta = pretrained.meta_model_from_pretrained(args.model, attn_implementation="eager")
+        model, rank = fabric.setup_module(meta).module, fabric.global_rank
+        ids %= model.config.vocab_size
+        with torch.no_grad():
+            logits = model(ids.to(fabric.device)).logits
+    torch.save(logits.cpu(), out / f"logits-{rank}.pt")
+    (out / f"run-{rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""`lightning_trn.load_pretrained` on stand-in `neuron` devices: one device in this process, FSDP2 on 2 processes and
+dp 2 x tp 2 (FSDP2 over tensor parallelism, `_StridedShard`) on 4 (`scripts/pretrained_load.py`, Fabric's
+`ModelParallelStrategy`; FSDP2 through the Trainer, loaded in `configure_model`, the other through Fabric; the model
+built on meta from the folder's config and loaded after sharding).
+
+Every rank's logits equal the saved model's on the CPU; each rank reads from the files exactly the bytes it holds;
+under FSDP2 its host peak while loading is its shard plus one tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import child_env
+from tests.test_pretrained import Folder, check_single_device, save_llama
+
+SCRIPT = Path(__file__).parent / "scripts" / "pretrained_load.py"
+RUN_TIMEOUT_S = 240
+#: under FSDP2 on 2 ranks: ~92 MB in fp32, so that half of it stands far above the allocator's and Python's noise;
+#: every size shards unevenly (vocabulary 1001, hidden 516, MLP 1378) and the embeddings are tied
+FSDP_SIZES = dict(vocab_size=1001, hidden_size=516, intermediate_size=1378, num_hidden_layers=8,
+                  num_attention_heads=6, num_key_value_heads=2)
+#: what a rank's host may grow by beyond its shards and one tensor, before any byte is read: measured ~2 MB while
+#: the meta tensors get their (sharded) storage and ~1 MB for the rotary buffer's init (Hugging Face's code); the
+#: whole model read on each rank would add ~46 MB more
+SLACK_BYTES = 4 << 20
+
+
+def launch(folder: Folder, out: Path, dp: int, tp: int, *options: str) -> list[dict]:
+    env = child_env(LIGHTNING_TRN_STANDIN="1", LIGHTNING_TRN_STANDIN_DEVICES=str(dp * tp))
+    command = [sys.executable, str(SCRIPT), "--model", str(folder.path), "--out", str(out), "--dp", str(dp),
+               "--tp", str(tp), *options]
+    result = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [json.loads((out / f"run-{rank}.json").read_text()) for rank in range(dp * tp)]
+    for rank, run in enumerate(runs):
+        run["logits"] = torch.load(out / f"logits-{rank}.pt")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Folder, list[dict]]:
+    folder = save_llama(tmp_path_factory.mktemp("fsdp_model"), max_shard_size="40MB", **FSDP_SIZES)
+    return folder, launch(folder, tmp_path_factory.mktemp("fsdp"), 2, 1, "--trainer")
+
+
+def test_single_device(tmp_path: Path) -> None:
+    check_single_device(save_llama(tmp_path), torch.device("neuron"))
+
+
+def test_fsdp2_logits_and_each_rank_reads_only_its_shards(fsdp: tuple[Folder, list[dict]]) -> None:
+    folder, runs = fsdp
+    model_bytes = sum(t.nbytes for t in _saved(folder).values())
+    for run in runs:
+        assert run["tied"]
+        torch.testing.assert_close(run["logits"], folder.logits, atol=1e-5, rtol=0)
+        assert run["read_bytes"] == run["held_bytes"] < 0.51 * model_bytes, (run, model_bytes)
+    assert sum(run["read_bytes"] for run in runs) == model_bytes
+
+
+def test_fsdp2_host_peak_is_a_shard_plus_one_tensor(fsdp: tuple[Folder, list[dict]]) -> None:
+    """VmHWM over VmRSS before loading, in each rank: its shards (on the stand-in device: host memory) and the one
+    block being read; the whole model would be twice the bound."""
+    folder, runs = fsdp
+    largest = max(t.nbytes for t in _saved(folder).values())
+    for run in runs:
+        assert run["load_peak_bytes"] <= run["held_bytes"] + largest + SLACK_BYTES, (run, largest)
+
+
+def test_data_parallel_2_x_tensor_parallel_2(tmp_path: Path) -> None:
+    folder = save_llama(tmp_path / "model")
+    runs = launch(folder, tmp_path, dp=2, tp=2)
+    for run in runs:
+        assert run["tied"]
+        torch.testing.assert_close(run["logits"], folder.logits, atol=1e-5, rtol=0)
+        assert run["read_bytes"] == run["held_bytes"], run
+
+
+def _saved(folder: Folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {key: value for file in sorted(folder.path.glob("*.safetensors")) for key, value in load_file(file).items()}
