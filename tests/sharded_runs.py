@@ -86,3 +86,18 @@ def assert_checkpoints_match_reference(ckpts: Path, reference: Path) -> dict[str
             _assert_equal(checkpoint[key], expected[key], f"{path.name}: {key}")
         steps[path.name] = step
     return steps
+
+
+def kill_inside_a_save(out: Path, reference: Path, kind: str, kill: str) -> dict[str, int]:
+    """Run the `kind` job until its SIGKILL at `kill` (`<save>:<rank>:<point>`, see the worker script); check what it
+    left against the uninterrupted run (`assert_checkpoints_match_reference`); returns each checkpoint's step."""
+    ckpts = run_job(out, kind, "--kill", kill, killed=True)
+    return assert_checkpoints_match_reference(ckpts, reference)
+
+
+def resume_to_the_end(out: Path, reference: Path, kind: str) -> None:
+    """Restart a killed `kind` job with `ckpt_path="last"`: it reaches the last step, and every checkpoint equals
+    the uninterrupted run's at its step."""
+    ckpts = run_job(out, kind, "--resume", "last")
+    assert load(ckpts / "last.ckpt")["global_step"] == STEPS
+    assert_checkpoints_match_reference(ckpts, reference)

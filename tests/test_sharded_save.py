@@ -13,7 +13,7 @@ import pytest
 
 from lightning_trn.core import sharded_save
 from lightning_trn.core.sharded_save import recover, recover_all, remove, staged_directory, staging_path
-from tests.sharded_runs import STEPS, assert_checkpoints_match_reference, can_exchange, load, run_job
+from tests.sharded_runs import can_exchange, kill_inside_a_save, resume_to_the_end, run_job
 
 
 class Killed(BaseException):
@@ -154,11 +154,8 @@ def test_zero1_job_killed_after_one_ranks_file_keeps_the_previous_checkpoint_and
 ) -> None:
     """Save 6 (`last.ckpt` of step 3): rank 1 wrote its `zero1-rank1.pt`, rank 0 had not written yet. Written in
     place, `last.ckpt` would claim step 2 with rank 1's optimizer state of step 3."""
-    ckpts = run_job(tmp_path, "zero1", "--kill", "6:1:wrote", killed=True)
-    assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 2, "step=3.ckpt": 3}
-    run_job(tmp_path, "zero1", "--resume", "last")
-    assert load(ckpts / "last.ckpt")["global_step"] == STEPS
-    assert_checkpoints_match_reference(ckpts, reference)
+    assert kill_inside_a_save(tmp_path, reference, "zero1", "6:1:wrote") == {"last.ckpt": 2, "step=3.ckpt": 3}
+    resume_to_the_end(tmp_path, reference, "zero1")
 
 
 @pytest.mark.slow
@@ -167,5 +164,4 @@ def test_zero1_job_killed_after_one_ranks_file_keeps_the_previous_checkpoint_and
 def test_zero1_job_killed_right_after_the_commit_has_the_new_checkpoint(tmp_path: Path, reference: Path) -> None:
     if not can_exchange(tmp_path):
         pytest.skip("this filesystem cannot exchange two directories (the unit tests cover its two renames)")
-    ckpts = run_job(tmp_path, "zero1", "--kill", "6:0:commit", killed=True)
-    assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 3, "step=3.ckpt": 3}
+    assert kill_inside_a_save(tmp_path, reference, "zero1", "6:0:commit") == {"last.ckpt": 3, "step=3.ckpt": 3}

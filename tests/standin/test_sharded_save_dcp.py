@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sharded_runs import STEPS, assert_checkpoints_match_reference, can_exchange, load, run_job
+from tests.sharded_runs import can_exchange, kill_inside_a_save, resume_to_the_end, run_job
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +25,19 @@ def test_killed_after_rank_1s_shards_keeps_the_previous_checkpoint_and_resumes_e
     """Save 6 (`last.ckpt` of step 3): rank 1 wrote its `__1_0.distcp`, rank 0 (which writes `.metadata` last) had
     not written yet. Written in place, `last.ckpt` would load without an error as step 2 with rank 1's shards of
     step 3."""
-    ckpts = run_job(tmp_path, "dcp", "--kill", "6:1:wrote", killed=True)
-    assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 2, "step=3.ckpt": 3}
-    run_job(tmp_path, "dcp", "--resume", "last")
-    assert load(ckpts / "last.ckpt")["global_step"] == STEPS
-    assert_checkpoints_match_reference(ckpts, reference)
+    assert kill_inside_a_save(tmp_path, reference, "dcp", "6:1:wrote") == {"last.ckpt": 2, "step=3.ckpt": 3}
+    resume_to_the_end(tmp_path, reference, "dcp")
 
 
 @pytest.mark.slow
 def test_killed_after_rank_0s_shards_of_a_new_checkpoint_keeps_the_older_one(tmp_path: Path, reference: Path) -> None:
     """Save 5 (`step=3.ckpt`, a new name): rank 0 wrote its shards, rank 1 had not. `step=3.ckpt` does not appear;
     `step=2.ckpt` was not deleted yet (ModelCheckpoint deletes it after the new one is saved)."""
-    ckpts = run_job(tmp_path, "dcp", "--kill", "5:0:wrote", killed=True)
-    assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 2, "step=2.ckpt": 2}
+    assert kill_inside_a_save(tmp_path, reference, "dcp", "5:0:wrote") == {"last.ckpt": 2, "step=2.ckpt": 2}
 
 
 @pytest.mark.slow
 def test_killed_right_after_the_commit_has_the_new_checkpoint(tmp_path: Path, reference: Path) -> None:
     if not can_exchange(tmp_path):
         pytest.skip("this filesystem cannot exchange two directories (tests/test_sharded_save.py covers its renames)")
-    ckpts = run_job(tmp_path, "dcp", "--kill", "6:0:commit", killed=True)
-    assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 3, "step=3.ckpt": 3}
+    assert kill_inside_a_save(tmp_path, reference, "dcp", "6:0:commit") == {"last.ckpt": 3, "step=3.ckpt": 3}
