@@ -8,7 +8,7 @@
 # one must exist.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SHARED=(tests/test_activation_checkpointing.py tests/test_zero1.py tests/test_sharded_save.py tests/test_fault_tolerance.py tests/test_host_syncs.py tests/test_ddp_training.py tests/test_torch_compile.py tests/test_compile_monitor.py tests/test_benchmarks_smoke.py tests/test_batch_containers.py tests/test_tied_weights.py tests/test_connector_hooks.py tests/test_autograd_start.py tests/test_resume_position.py tests/test_lightning_hooks.py tests/test_loader_properties.py tests/test_fabric.py tests/test_healthcheck.py tests/test_throughput.py tests/test_profiler.py tests/test_device_stats.py tests/test_distributed_checkpoint_read.py)
+SHARED=(tests/test_activation_checkpointing.py tests/test_zero1.py tests/test_sharded_save.py tests/test_fault_tolerance.py tests/test_host_syncs.py tests/test_ddp_training.py tests/test_torch_compile.py tests/test_compile_monitor.py tests/test_benchmarks_smoke.py tests/test_batch_containers.py tests/test_tied_weights.py tests/test_connector_hooks.py tests/test_autograd_start.py tests/test_resume_position.py tests/test_lightning_hooks.py tests/test_loader_properties.py tests/test_fabric.py tests/test_healthcheck.py tests/test_throughput.py tests/test_profiler.py tests/test_device_stats.py tests/test_distributed_checkpoint_read.py tests/test_recipe_llm_pretrained.py)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 # its own temporary directory and no shared .pytest_cache, so the suites never write the same files

@@ -1,7 +1,8 @@
 """LLM recipe: a Llama-architecture causal language model (Hugging Face `LlamaForCausalLM`: RMSNorm, rotary
 embeddings, SwiGLU, grouped-query attention) trained from scratch on offline text with a byte-level BPE tokenizer
 trained at run time. `python -m recipes.llm --help`; `python -m recipes.llm preset=trn1-1b` for real hardware;
-`python -m recipes.llm export ckpt=... out=...` writes a `save_pretrained` folder (model + tokenizer).
+`python -m recipes.llm export ckpt=... out=...` writes a `save_pretrained` folder (model + tokenizer);
+`python -m recipes.llm model.pretrained=DIR data.source=rows.jsonl` fine-tunes such a folder (`recipes/sft.py`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "
 #: label of the padding rows that fill the last evaluation batch: ignored by the loss
 IGNORE_INDEX = -100
 
-#: `preset=NAME`: overrides applied before the command line's, sized for real hardware (docs/recipes.md has the
-#: memory arithmetic). Not run here: the tokenizer still trains on `data.source`.
+#: `preset=NAME`: overrides applied before the command line's, sized for real hardware and checked with
+#: `python -m lightning_trn.estimate llm preset=NAME` (docs/recipes.md has each one's table). Not run on Trainium; the
+#: tokenizer still trains on `data.source`.
 PRESETS: dict[str, tuple[str, ...]] = {
     # ~1.1 B (TinyLlama's shape with a 32k vocabulary) on a trn1.32xlarge: 32 NeuronCores of 16 GB, XLA backend,
     # ZeRO-1 (8.375 bytes/parameter: 9.2 GB) + activation checkpointing; sharded checkpoints (each rank writes its own
@@ -59,6 +61,18 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "model.hidden_size=4096", "model.intermediate_size=14336", "model.num_layers=32", "model.num_heads=32",
         "model.num_kv_heads=8", "model.activation_checkpointing=true", "model.lr=3.0e-4", "model.warmup_steps=200",
     ),
+    # ~70.6 B (Llama-3-70B's shape and vocabulary) on 4 trn2.48xlarge: 256 logical NeuronCores of 24 GB, native
+    # backend, FSDP2 over all 64 x tensor parallel over 4 (one chip) + activation checkpointing. Not HSDP: sharded
+    # over one node's 16 only, the state alone would be 16 GiB per core.
+    "trn2-70b": (
+        "trainer.devices=64", "trainer.num_nodes=4", "trainer.strategy=model_parallel", "model.tensor_parallel_size=4",
+        "trainer.precision=bf16-mixed", "trainer.max_epochs=1", "trainer.limit_train_batches=1.0",
+        "trainer.limit_val_batches=1.0", "trainer.accumulate_grad_batches=1", "trainer.log_every_n_steps=10",
+        "data.vocab_size=128256", "data.seq_len=8192", "data.batch_size=1",
+        "model.hidden_size=8192", "model.intermediate_size=28672", "model.num_layers=80", "model.num_heads=64",
+        "model.num_kv_heads=8", "model.rope_theta=500000.0", "model.activation_checkpointing=true",
+        "model.lr=1.5e-4", "model.warmup_steps=2000",
+    ),
 }
 _MODEL_PARALLEL = ("model_parallel", "neuron_model_parallel")
 #: strategies that shard the model: `build_model` builds it on the meta device, the strategy materializes shards
@@ -81,6 +95,7 @@ class LlmData:
 class LlmModel:
     """`model.*` of `configs/llm.yaml`."""
 
+    pretrained: Optional[str]
     hidden_size: int = checked(POSITIVE)
     intermediate_size: int = checked(POSITIVE)
     num_layers: int = checked(POSITIVE)
@@ -229,15 +244,33 @@ class LMDataModule(pl.LightningDataModule):
         return self._eval_loader("test")
 
 
-def lm_datamodule(cfg: DictConfig) -> LMDataModule:
-    """Documents split with `seed`, the tokenizer trained on the training split, each split packed."""
+def lm_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
+    """Documents split with `seed`, the tokenizer trained on the training split (or, with `model.pretrained`, the
+    folder's), each split packed; with `model.pretrained` and a `.jsonl` source, supervised fine-tuning rows
+    (`lightning_trn.recipes.sft`)."""
     data = cfg.data
+    pretrained = cfg.model.pretrained
+    if str(data.source).endswith(".jsonl"):
+        if not pretrained:
+            raise ValueError(f"data.source={data.source}: fine-tuning rows (JSON Lines) need model.pretrained=DIR, "
+                             "whose tokenizer and chat template encode them.")
+        from lightning_trn.recipes.sft import sft_datamodule
+
+        return sft_datamodule(pretrained_tokenizer(pretrained), data.source, data.seq_len, data.batch_size,
+                              data.val_fraction, data.test_fraction, cfg.seed)
     train, val, test = split_documents(load_documents(data.source), data.val_fraction, data.test_fraction, cfg.seed)
-    tokenizer = train_tokenizer(train, data.vocab_size)
+    tokenizer = pretrained_tokenizer(pretrained) if pretrained else train_tokenizer(train, data.vocab_size)
     eos = tokenizer.eos_token_id
     splits = {name: pack(encode_documents(tokenizer, docs), eos, data.seq_len)
               for name, docs in (("train", train), ("val", val), ("test", test))}
     return LMDataModule(tokenizer, splits, data.batch_size, cfg.seed)
+
+
+def pretrained_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in a `save_pretrained` folder (`model.pretrained`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def tokens_in_batch(batch: dict[str, torch.Tensor]) -> int:
@@ -327,12 +360,15 @@ def apply_tp(net: LlamaForCausalLM, tp_mesh: Any) -> None:
     if config.num_attention_heads % tp_mesh.size() or config.num_key_value_heads % tp_mesh.size():
         raise ValueError(f"Tensor parallel over {tp_mesh.size()} devices needs num_heads ({config.num_attention_heads})"
                          f" and num_kv_heads ({config.num_key_value_heads}) divisible by it.")
+    tied = net.lm_head.weight is net.model.embed_tokens.weight  # pretrained folders may tie them
     parallelize_module(net, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                               use_local_output=False),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
+    if tied:  # each plan distributed its own copy; both split the vocabulary (Shard(0)), so one serves both again
+        net.lm_head.weight = net.model.embed_tokens.weight
     # attention takes its input by keyword (`hidden_states=`), the MLP positionally
     gather_attention = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                           desired_input_kwarg_layouts={"hidden_states": Replicate()},
@@ -411,7 +447,9 @@ class CausalLM(pl.LightningModule):
     """`LlamaForCausalLM(LlamaConfig(...))` from scratch, next-token cross-entropy, AdamW with linear warm-up and
     cosine decay per step. Logs `train_loss` (per step), `val_loss` / `val_ppl` and `test_loss` / `test_ppl`
     (per split, token-weighted, accumulated on the device). The run-time tokenizer rides in the checkpoint
-    (`checkpoint["tokenizer"]`) so `export` can save it next to the model."""
+    (`checkpoint["tokenizer"]`) so `export` can save it next to the model. With `pretrained` (a `save_pretrained`
+    folder; docs/recipes.md, "Fine-tuning a pretrained model") the model is the folder's architecture (the shape
+    arguments are unused), filled from its weights in `configure_model`, and the tokenizer is the folder's."""
 
     def __init__(
         self,
@@ -430,6 +468,7 @@ class CausalLM(pl.LightningModule):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         meta_init: bool = False,
+        pretrained: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["meta_init"])  # loading a checkpoint builds the model on the host
@@ -448,7 +487,10 @@ class CausalLM(pl.LightningModule):
         config._attn_implementation = attn_implementation
         #: meta_init: the CPU generator state the eager build would have drawn from (`materialization_steps`)
         self._init_rng_state: Optional[torch.Tensor] = None
-        if meta_init:  # no memory: the sharding strategy materializes each rank's shards (`materialization_steps`)
+        self._meta_init = meta_init
+        if pretrained:  # the folder's architecture; its weights are read in `configure_model`, after parallelizing
+            self.net = pretrained_model(pretrained, attn_implementation, meta_init)
+        elif meta_init:  # no memory: the sharding strategy materializes each rank's shards (`materialization_steps`)
             self._init_rng_state = torch.random.get_rng_state()
             with torch.device("meta"):
                 self.net = LlamaForCausalLM(config)
@@ -523,9 +565,9 @@ class CausalLM(pl.LightningModule):
         if datamodule is None:
             return
         self.tokenizer_json = getattr(datamodule, "tokenizer_json", self.tokenizer_json)
-        hp = self.hparams
+        hp, config = self.hparams, self.net.config
         dense = sum(p.numel() for p in self.net.parameters()) - self.net.get_input_embeddings().weight.numel()
-        per_token = 6 * dense + 12 * hp.num_layers * hp.hidden_size * hp.seq_len
+        per_token = 6 * dense + 12 * config.num_hidden_layers * config.hidden_size * hp.seq_len
         self.flops_per_batch = per_token * datamodule.batch_size * hp.seq_len
 
     def configure_model(self) -> None:
@@ -543,12 +585,18 @@ class CausalLM(pl.LightningModule):
             from lightning_trn.core.model_parallel import materialize
 
             materialize(self, self.trainer.strategy.root_device)
-        checkpointing = self.hparams.activation_checkpointing and self._init_rng_state is not None
+        checkpointing = self.hparams.activation_checkpointing and self._meta_init
         if self.device_mesh is not None and not isinstance(self.trainer.strategy, (FSDPStrategy, NeuronFSDPStrategy)):
             bf16 = str(self.trainer.precision).startswith("bf16")
             parallelize(self.net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None)
         elif checkpointing:
             apply_ac(self.net)
+        # each rank reads the blocks it keeps, meta tensors getting storage; without a Trainer this is
+        # `load_from_checkpoint` (export), whose checkpoint holds the weights
+        if self.hparams.get("pretrained") and self._trainer is not None:
+            from lightning_trn.core.pretrained import load_pretrained
+
+            load_pretrained(self.net, self.hparams.pretrained, prefix="", device=self.trainer.strategy.root_device)
         self._parallelized = True
 
     def materialization_steps(self) -> list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]]:
@@ -605,10 +653,27 @@ class CausalLM(pl.LightningModule):
         self.tokenizer_json = checkpoint.get("tokenizer")
 
     def tokenizer(self) -> PreTrainedTokenizerFast:
-        """The tokenizer the model was trained with (from the data module, or the loaded checkpoint)."""
+        """The tokenizer the model was trained with (the `model.pretrained` folder's, or from the data module, or the
+        loaded checkpoint)."""
+        if self.hparams.get("pretrained"):
+            return pretrained_tokenizer(self.hparams.pretrained)
         if self.tokenizer_json is None:
             raise ValueError("This module has no tokenizer: load it from a recipe checkpoint or train it first.")
         return wrap_tokenizer(self.tokenizer_json)
+
+
+def pretrained_model(path: str, attn_implementation: str, meta: bool) -> torch.nn.Module:
+    """`AutoModelForCausalLM` built from the config of the `save_pretrained` folder `path` (a supported
+    `model_type`, else a `ValueError` naming them), on the meta device or, with `meta=False`, on the host with
+    random weights: `load_pretrained` fills either."""
+    from lightning_trn.core.pretrained import meta_model_from_pretrained
+
+    net = meta_model_from_pretrained(path, attn_implementation=attn_implementation)
+    if meta:
+        return net
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(net.config, attn_implementation=attn_implementation)
 
 
 def build_model(cfg: DictConfig) -> CausalLM:
@@ -619,7 +684,7 @@ def build_model(cfg: DictConfig) -> CausalLM:
         rope_theta=m.rope_theta, attn_implementation=m.attn_implementation,
         activation_checkpointing=m.activation_checkpointing, lr=m.lr, weight_decay=m.weight_decay,
         warmup_steps=m.warmup_steps, min_lr_ratio=m.min_lr_ratio,
-        meta_init=cfg.trainer.get("strategy", "auto") in _SHARDED,
+        meta_init=cfg.trainer.get("strategy", "auto") in _SHARDED, pretrained=m.pretrained or None,
     )
 
 
@@ -655,6 +720,8 @@ def summary(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningD
     """The last validation's perplexity and the unigram perplexity of the same tokens (printed after the run)."""
     if "val_ppl" not in trainer.callback_metrics:
         trainer.validate(module, datamodule=data, verbose=False)
+    if not hasattr(data, "unigram_perplexity"):  # fine-tuning rows (`sft`): no packed blocks to count
+        return {"val_ppl": float(trainer.callback_metrics["val_ppl"])}
     return {"val_ppl": float(trainer.callback_metrics["val_ppl"]), "unigram_ppl": data.unigram_perplexity()}
 
 

@@ -1,30 +1,44 @@
-"""The LLM recipe's `parallelize` (TorchTitan's `parallelize_llama` for Hugging Face's Llama) on the trn2-8b preset at
-its real world size: 64 ranks as FSDP2 over 16 x tensor parallel over 4, on the meta device over torch's fake process
-group (one process, no memory). Its numerics are proven elsewhere: tests/standin/test_recipe_llm_native.py trains
-tensor parallel exactly like one device.
+"""The LLM recipe's `parallelize` (TorchTitan's `parallelize_llama` for Hugging Face's Llama) on the trn2 presets at
+their real world sizes: trn2-8b, 64 ranks as FSDP2 over 16 x tensor parallel over 4; trn2-70b, 4 nodes of 64 ranks
+as FSDP2 over 64 x tensor parallel over 4. The mesh is the one the preset's strategy builds, on the meta device over
+torch's fake process group (one process, no memory; two decoder layers, since every layer gets the same plan). Its
+numerics are proven elsewhere: tests/standin/test_recipe_llm_native.py trains tensor parallel exactly like one device.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+from lightning.fabric.strategies.model_parallel import _setup_device_mesh
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_trn.recipes import cli, llm
 from tests.standin.fake_group import fake_process_group
 
 
-def test_trn2_8b_preset_makes_every_parameter_a_dtensor_on_one_mesh() -> None:
-    """`configure_model` under the preset (bf16-mixed, activation checkpointing): every parameter, embedding, norms
-    and output projection included, is a DTensor on the one 2-D mesh (what AdamW's default `foreach` needs), sharded
-    by FSDP2 over `data_parallel` and by the plan over `tensor_parallel`; FSDP2 computes in bf16 and reduces in
-    fp32; each decoder layer is checkpointed."""
-    cfg = cli.load_config(llm.RECIPE, [*llm.PRESETS["trn2-8b"], "model.num_layers=2"])
+@pytest.mark.parametrize(("preset", "world_size", "mesh_shape", "lm_head_shard"), [
+    ("trn2-8b", 64, (16, 4), (32000 // 4 // 16, 4096)),
+    ("trn2-70b", 256, (64, 4), (128256 // 4 // 64, 8192)),
+])
+def test_trn2_preset_makes_every_parameter_a_dtensor_on_one_mesh(
+    preset: str, world_size: int, mesh_shape: tuple[int, int], lm_head_shard: tuple[int, int]
+) -> None:
+    """The preset's strategy is `ModelParallelStrategy` over `devices x num_nodes` ranks with the expected
+    (data parallel, tensor parallel) sizes; `configure_model` under the preset (bf16-mixed, activation
+    checkpointing): every parameter, embedding, norms and output projection included, is a DTensor on that 2-D mesh
+    (what AdamW's default `foreach` needs), sharded by FSDP2 over `data_parallel` and by the plan over
+    `tensor_parallel`; FSDP2 computes in bf16 and reduces in fp32; each decoder layer is checkpointed."""
+    cfg = cli.load_config(llm.RECIPE, [f"preset={preset}", "model.num_layers=2"])
+    strategy = llm.trainer_args(cfg)["strategy"]
+    assert isinstance(strategy, ModelParallelStrategy)
+    assert cfg.trainer.devices * cfg.trainer.get("num_nodes", 1) == world_size
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == mesh_shape
     module = llm.build_model(cfg)
-    with fake_process_group(64):
-        mesh = init_device_mesh("cpu", (16, 4), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    with fake_process_group(world_size):
+        mesh = _setup_device_mesh(*mesh_shape, world_size, torch.device("cpu"))  # as the strategy's setup does
         module._device_mesh = mesh
         module._trainer = SimpleNamespace(strategy=SimpleNamespace(), precision=cfg.trainer.precision)
         module.configure_model()
@@ -42,8 +56,8 @@ def test_trn2_8b_preset_makes_every_parameter_a_dtensor_on_one_mesh() -> None:
             "model.layers.0.mlp.down_proj.weight": columns,
         }
         assert {name: params[name].placements[1] for name in expected} == expected
-        # one rank's shard of the output projection: 32000 / 4 vocabulary rows, then a 16th of those by FSDP2
-        assert params["lm_head.weight"].to_local().shape == (8000 // 16, 4096)
+        # one rank's shard of the output projection: the vocabulary split over tensor parallel, then over FSDP2
+        assert params["lm_head.weight"].to_local().shape == lm_head_shard
         for fsdp_module in (module.net, *module.net.model.layers):
             policy = fsdp_module._get_fsdp_state()._mp_policy
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)

@@ -1,0 +1,161 @@
+"""Supervised fine-tuning data for the LLM recipe (`model.pretrained=DIR data.source=FILE.jsonl`): rows of
+`{"prompt", "response"}` or `{"messages": [...]}` (rendered with the folder tokenizer's chat template), tokenized with
+the pretrained tokenizer, the loss masked to the response (assistant) tokens.
+
+Static shapes without packing: one row per block of `seq_len` tokens, right-padded (and cut at `seq_len`). Under a
+causal mask a padding token sits after every real one, so it changes no real token's logits: the recipe's causal
+mask, built on the device, serves as it is, and the positions are the default `0..seq_len-1` of each row. Packing
+several rows per block would need position ids restarting per row and a block-diagonal mask per batch instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_trn.recipes.data import shuffled_split
+from lightning_trn.recipes.llm import IGNORE_INDEX  # the label the recipe's loss skips (prompt, template, padding)
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON Lines file, one per non-empty line, each with `prompt` and `response` strings or a
+    `messages` list.
+
+    Raises:
+        ValueError: the file is missing, or a row has neither form.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"data.source={path!r}: no such file (expected JSON Lines of prompt/response or messages).")
+    rows = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for number, row in enumerate(rows, 1):
+        if not (isinstance(row.get("messages"), list) or {"prompt", "response"} <= set(row)):
+            raise ValueError(f"{path}:{number}: expected {{\"prompt\", \"response\"}} or {{\"messages\": [...]}}, "
+                             f"got keys {sorted(row)}.")
+    return rows
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def encode_row(tokenizer: Any, row: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+    """Token ids of a row and their labels: the ids themselves on response tokens, `IGNORE_INDEX` elsewhere.
+
+    `prompt`/`response`: the prompt as the tokenizer encodes text (its BOS, if it adds one), then the response and
+    EOS, which is labelled too so the model learns to stop. `messages`: the chat template's text, tokenized as
+    `apply_chat_template` does; each assistant message's span is the text its turn adds to the rendering of the
+    conversation before it with the generation prompt (the assistant header stays unlabelled), and the tokens
+    overlapping a span are labelled. Characters, not tokens, are compared: a turn's tokens can merge across its
+    boundary (a header's trailing space with the reply's first word), its text cannot.
+
+    Raises:
+        ValueError: the chat template renders a conversation's start differently once more turns follow.
+    """
+    if "messages" not in row:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        response = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return prompt + response, [IGNORE_INDEX] * len(prompt) + response
+    messages = row["messages"]
+    text = _render(tokenizer, messages)
+    spans = []
+    for turn, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = _render(tokenizer, messages[:turn], add_generation_prompt=True) if turn else ""
+        through = _render(tokenizer, messages[: turn + 1])
+        if not (through.startswith(before) and text.startswith(through)):
+            raise ValueError("The tokenizer's chat template renders the start of a conversation differently once "
+                             "more turns follow, so the assistant turns cannot be found: use prompt/response rows.")
+        spans.append((len(before), len(through)))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoding["input_ids"]
+    labels = [token if any(start < span_end and end > span_start for span_start, span_end in spans) else IGNORE_INDEX
+              for token, (start, end) in zip(ids, encoding["offset_mapping"])]
+    return ids, labels
+
+
+def blocks(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One (rows, seq_len) block per row: cut at `seq_len`, right-padded with `pad_id` (labels `IGNORE_INDEX`). Rows
+    left with no labelled token after the first (nothing to predict once the labels are shifted) are dropped."""
+    input_ids, labels = [], []
+    for ids, row_labels in encoded:
+        ids, row_labels = ids[:seq_len], row_labels[:seq_len]
+        if all(label == IGNORE_INDEX for label in row_labels[1:]):
+            continue
+        pad = seq_len - len(ids)
+        input_ids.append(ids + [pad_id] * pad)
+        labels.append(row_labels + [IGNORE_INDEX] * pad)
+    return {"input_ids": torch.tensor(input_ids, dtype=torch.long).view(-1, seq_len),
+            "labels": torch.tensor(labels, dtype=torch.long).view(-1, seq_len)}
+
+
+class _Rows(Dataset):
+    def __init__(self, split: dict[str, torch.Tensor]) -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split["input_ids"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {key: value[index] for key, value in self.split.items()}
+
+
+class SFTDataModule(pl.LightningDataModule):
+    """Splits of padded (rows, seq_len) blocks; batches are dicts of `input_ids` and `labels` (unshifted: the
+    model shifts them). Training batches are shuffled with `seed`, the last partial one dropped; the evaluation
+    splits are padded to whole batches with rows labelled `IGNORE_INDEX`, so every batch has one shape."""
+
+    def __init__(self, tokenizer: Any, splits: dict[str, dict[str, torch.Tensor]], batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.splits = splits
+        self.batch_size = batch_size
+        self.seed = seed
+        self.pad_id = pad_id(tokenizer)
+        for name, split in splits.items():
+            rows = len(split["input_ids"])
+            if rows == 0 or (name == "train" and rows < batch_size):
+                raise ValueError(f"The {name} split has {rows} rows with response tokens, fewer than one batch of "
+                                 f"{batch_size}: add rows, raise data.seq_len or lower data.batch_size.")
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(_Rows(self.splits["train"]), batch_size=self.batch_size, shuffle=True, generator=generator,
+                          drop_last=True)
+
+    def _eval_loader(self, name: str) -> DataLoader:
+        split = self.splits[name]
+        rows, seq_len = split["input_ids"].shape
+        pad = -rows % self.batch_size
+        padded = {"input_ids": torch.cat([split["input_ids"], torch.full((pad, seq_len), self.pad_id)]),
+                  "labels": torch.cat([split["labels"], torch.full((pad, seq_len), IGNORE_INDEX)])}
+        return DataLoader(_Rows(padded), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The tokenizer's padding id, else its EOS (Llama 3 has no padding token): padding is never attended to by a
+    real token nor labelled, so any id serves."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def sft_datamodule(tokenizer: Any, source: str, seq_len: int, batch_size: int, val_fraction: float,
+                   test_fraction: float, seed: int) -> SFTDataModule:
+    """The rows of `source` split with `seed` (train, val, test), each encoded (`encode_row`) into blocks."""
+    rows = load_rows(source)
+    parts = shuffled_split({"i": torch.arange(len(rows))}, (val_fraction, test_fraction), seed)
+    splits = {name: blocks([encode_row(tokenizer, rows[i]) for i in part["i"].tolist()], seq_len, pad_id(tokenizer))
+              for name, part in zip(("train", "val", "test"), parts)}
+    return SFTDataModule(tokenizer, splits, batch_size, seed)
