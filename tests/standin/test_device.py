@@ -103,14 +103,16 @@ def test_device_reads_are_counted_and_the_fallback_is_not() -> None:
     a = torch.randn(4, 4, device="neuron")
     standin.reset_counters()
     b = (a @ a + 1).relu().sum(dim=0)  # device ops only: the fallback's own copies are not reads
-    assert standin.counters() == {"device_to_host": 0, "host_to_device": 0, "scalar_reads": 0, "host_syncs": 0}
+    assert standin.counters() == {"device_to_host": 0, "host_to_device": 0, "host_to_device_bytes": 0,
+                                  "scalar_reads": 0, "host_syncs": 0}
     b.cpu()
     b[0].item()
     bool(b[1] > -1)
     b.tolist()
     torch.ones(2).to("neuron")
     # each read waits for the device: a host sync
-    assert standin.counters() == {"device_to_host": 2, "host_to_device": 1, "scalar_reads": 2, "host_syncs": 4}
+    assert standin.counters() == {"device_to_host": 2, "host_to_device": 1, "host_to_device_bytes": 8,
+                                  "scalar_reads": 2, "host_syncs": 4}
     standin.reset_counters()
     assert standin.counters()["device_to_host"] == standin.counters()["host_syncs"] == 0
 
@@ -121,7 +123,8 @@ def test_copies_queued_without_waiting_are_transfers_and_the_wait_is_the_host_sy
     a = torch.arange(6.0, device="neuron")
     standin.reset_counters()
     queued = [a.to("cpu", non_blocking=True), (a * 2).to("cpu", non_blocking=True)]
-    assert standin.counters() == {"device_to_host": 2, "host_to_device": 0, "scalar_reads": 0, "host_syncs": 0}
+    assert standin.counters() == {"device_to_host": 2, "host_to_device": 0, "host_to_device_bytes": 0,
+                                  "scalar_reads": 0, "host_syncs": 0}
     assert all(copy.is_pinned() for copy in queued) and not a.cpu().is_pinned()
     torch.neuron.synchronize()
     torch.accelerator.synchronize()
