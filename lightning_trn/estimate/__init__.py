@@ -467,6 +467,9 @@ def simulate_rank(
     printing_rank = rank_zero_only.rank  # the strategy sets it to the simulated rank
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, rank_zero_only, "rank", printing_rank)
+        # Lightning's launcher lowers the process's thread count for the simulated processes of one node (to 1
+        # under 64 devices); the simulation runs in the caller's process, which keeps its own
+        stack.callback(torch.set_num_threads, torch.get_num_threads())
         root = stack.enter_context(tempfile.TemporaryDirectory())
         stack.enter_context(_fake_process_group(rank, world_size))
         stack.enter_context(_fake_tensor_fixes())

@@ -12,14 +12,18 @@ when it does not, without allocating the model.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
-from lightning_trn.estimate import estimate
 from lightning_trn.estimate.__main__ import main
 from tests.launch import child_env
 
@@ -29,6 +33,17 @@ import estimate_measured as measured  # noqa: E402
 
 RUN_TIMEOUT_S = 300
 LAST_LINE = re.compile(r"^peak device memory per rank: (\d+\.\d\d) GiB of (\d+\.\d\d) GiB$")
+
+
+@pytest.fixture(autouse=True)
+def _keeps_the_process_state() -> Iterator[None]:
+    """The command line's `main` selects the stand-in through the environment, as a fresh process would; the tests
+    run it in this one, so the environment is put back. The simulation must leave torch's thread count as it was."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    assert torch.get_num_threads() == threads
 
 
 def _measured_peaks(out: Path, strategy: str, checkpointing: bool, devices: int) -> list[list[int]]:
@@ -49,11 +64,10 @@ def _measured_peaks(out: Path, strategy: str, checkpointing: bool, devices: int)
 def test_estimated_peak_matches_the_allocator(tmp_path: Path, strategy: str, checkpointing: bool,
                                               devices: int) -> None:
     """The simulated rank's peak against every real rank's (alike: even shards), within the issue's 10 %."""
-    # this process's stand-in shows 2 devices: 4 ranks are simulated as 2 nodes of 2 (the same mesh)
-    nodes = devices // measured.DEVICES
-    result = estimate(lambda: measured.module_factory(strategy, checkpointing), measured.batch("meta"),
-                      accelerator="neuron", devices=measured.DEVICES, num_nodes=nodes,
-                      strategy=measured.strategy(strategy, devices))
+    # in a child process: a simulated ZeRO-1 fit left process state after which a later test's conv3d weight
+    # gradient on the stand-in differed from the CPU's (5e-4; cause not found)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        result = pool.submit(measured.estimated, strategy, checkpointing, devices).result(timeout=RUN_TIMEOUT_S)
     peaks = _measured_peaks(tmp_path, strategy, checkpointing, devices)
     for first, second in peaks:
         assert first <= second  # the job's peak is the second step's, the one estimated

@@ -84,3 +84,13 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def estimated(strategy_name: str, checkpointing: bool, devices: int) -> Any:
+    """`lightning_trn.estimate.estimate` of the configuration, in the calling process (the test calls it in a child
+    process). The stand-in there shows `DEVICES` devices: more ranks are simulated as nodes of `DEVICES` (the same
+    mesh)."""
+    from lightning_trn.estimate import estimate
+
+    return estimate(lambda: module_factory(strategy_name, checkpointing), batch("meta"), accelerator="neuron",
+                    devices=DEVICES, num_nodes=devices // DEVICES, strategy=strategy(strategy_name, devices))
