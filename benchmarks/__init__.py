@@ -1,1 +1,1 @@
-"""Benchmarks of issue #7: scripts that print figures (`python -m benchmarks.<name> --help`), not tests."""
+"""Benchmarks (benchmarks/README.md): scripts that print figures (`python -m benchmarks.<name> --help`), not tests."""

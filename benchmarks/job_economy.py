@@ -1,4 +1,4 @@
-"""What a whole training job costs in graphs, transfers and host syncs (issue 19): a recipe's job through the plugin
+"""What a whole training job costs in graphs, transfers and host syncs: a recipe's job through the plugin
 against an expert's hand-written twin of the same job, phase by phase, on the XLA or the native backend.
 
 The job, as users run it (`recipes.common.fit`): `fit` with validation every epoch, the progress bar, the CSV logger
@@ -15,8 +15,8 @@ Per phase (setup and sanity check, training steps, validation, epoch ends, check
 report: graphs compiled, graph executions, device->host transfers, host syncs, `.item()`-style scalar reads, CPU
 fallbacks and main-thread CPU ms (per step for training steps); and per job the time from process start to the first
 step done and the wall time. Each side runs in a fresh process, so neither finds graphs the other compiled. The
-targets are issue 19's: on XLA the transfers count, natively the host syncs (transfers queued without waiting are
-cheap there).
+targets (`targets`) bound the plugin's costs relative to the twin's: on XLA the transfers count, natively the host
+syncs (transfers queued without waiting are cheap there).
 
 `--floor` adds a third run: the plugin's job with Lightning's per-step machinery left out (`_BareAdvance`), the host
 time per training step that no fix to that machinery could go below.
@@ -493,13 +493,14 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else ("1.00" if a == b else "inf")
 
 
-#: per backend, the device->host cost issue 19 bounds at 2x the twin's: on XLA each transfer waits for its graph (a
+#: per backend, the device->host cost `targets` bounds at 2x the twin's: on XLA each transfer waits for its graph (a
 #: batch of tensors can be one transfer); natively copies can be queued without waiting, and the waits are the cost
 SYNC_COUNTERS = {"xla": ("device->host transfers", "device_to_host"), "native": ("host syncs", "host_syncs")}
 
 
 def targets(plugin: JobResult, expert: JobResult, backend: Optional[str] = None) -> list[list[Any]]:
-    """Issue 19's targets on `backend` (default: this process's): [target, plugin's figure, limit, met]."""
+    """The plugin's job against the twin's on `backend` (default: this process's), each bound relative to the twin:
+    [target, plugin's figure, limit, met]."""
     p, e = _total(plugin), _total(expert)
     per_step = [result.phases["train"].cpu_s_per_step for result in (plugin, expert)]
     sync_name, sync_counter = SYNC_COUNTERS[backend or get_runtime().name]

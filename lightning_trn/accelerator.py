@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _DEVICE
@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_trn.runtime import NeuronUnavailableError, get_runtime, use_backend
 from lightning_trn.runtime.discovery import CPU
 
-_DEVICES_INPUT = Union[int, str, list[int]]
+_DEVICES_INPUT = int | str | list[int]
 
 
 class NeuronAccelerator(Accelerator):
@@ -26,7 +26,7 @@ class NeuronAccelerator(Accelerator):
     and raises `NeuronUnavailableError` saying what was looked for and how to fix it.
     """
 
-    def __init__(self, backend: Optional[str] = None) -> None:
+    def __init__(self, backend: str | None = None) -> None:
         super().__init__()
         use_backend(backend).detect_platform()
 
@@ -35,8 +35,9 @@ class NeuronAccelerator(Accelerator):
         """Check the device is this backend's and that backward passes can run on it."""
         runtime = get_runtime()
         if device.type != runtime.device_type:
-            raise ValueError(f"NeuronAccelerator on the {runtime.name} backend needs a {runtime.device_type!r} device, "
-                             f"got {device}.")
+            raise ValueError(
+                f"NeuronAccelerator on the {runtime.name} backend needs a {runtime.device_type!r} device, got {device}."
+            )
         runtime.check_autograd(device)
 
     @override

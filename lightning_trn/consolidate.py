@@ -13,24 +13,37 @@ safetensors file instead (host memory: one batch), names without `--strip-prefix
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.distributed_checkpoint import (
-    is_distributed_checkpoint, write_consolidated, write_safetensors,
+    is_distributed_checkpoint,
+    write_consolidated,
+    write_safetensors,
 )
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_trn.consolidate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a sharded checkpoint directory (.metadata and *.distcp files, or "
-                                           "checkpoint.pt and zero1-rank*.pt)")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_trn.consolidate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "checkpoint",
+        help="a sharded checkpoint directory (.metadata and *.distcp files, or checkpoint.pt and zero1-rank*.pt)",
+    )
     parser.add_argument("output", help="the file to write")
-    parser.add_argument("--safetensors", action="store_true",
-                        help="write the model weights as a safetensors file (distributed checkpoints)")
-    parser.add_argument("--strip-prefix", default="", metavar="PREFIX",
-                        help='with --safetensors: drop this from the weights\' names, e.g. "model."')
+    parser.add_argument(
+        "--safetensors",
+        action="store_true",
+        help="write the model weights as a safetensors file (distributed checkpoints)",
+    )
+    parser.add_argument(
+        "--strip-prefix",
+        default="",
+        metavar="PREFIX",
+        help='with --safetensors: drop this from the weights\' names, e.g. "model."',
+    )
     args = parser.parse_args(argv)
     distributed = is_distributed_checkpoint(args.checkpoint)
     if args.safetensors:

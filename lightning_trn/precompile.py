@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Optional
 
 import lightning.pytorch as pl
 
@@ -28,7 +27,7 @@ PRECOMPILE_STEPS_ENV = "LIGHTNING_TRN_PRECOMPILE_STEPS"
 GRAPHS_ONLY_ENV = "NEURON_EXTRACT_GRAPHS_ONLY"
 
 
-def precompile_steps() -> Optional[int]:
+def precompile_steps() -> int | None:
     """The step cap of a precompile run, or None in a normal run."""
     value = os.environ.get(PRECOMPILE_STEPS_ENV, "").strip()
     return int(value) if value else None
@@ -79,7 +78,7 @@ def _parse(argv: list[str]) -> tuple[int, list[str]]:
     return args.steps, target
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the precompile and return the child's exit code."""
     steps, target = _parse(sys.argv[1:] if argv is None else argv)
     command = build_command(target)

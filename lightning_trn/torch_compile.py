@@ -10,18 +10,14 @@ stay outside the graph.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_trn.runtime import get_runtime
 
 
-def compile(  # noqa: A001  (mirrors torch.compile)
-    module: nn.Module, *, fullgraph: bool = True, dynamic: bool = False, mode: Optional[str] = None
-) -> nn.Module:
-    """Compile `module` for the Neuron backend in use.
+def compile(module: nn.Module, *, fullgraph: bool = True, dynamic: bool = False, mode: str | None = None) -> nn.Module:
+    """Compile `module` for the Neuron backend in use (named, like `torch.compile`, over the builtin `compile`).
 
     Args:
         fullgraph: refuse graph breaks (AWS's recommendation: each break is a separate graph and a device round trip).

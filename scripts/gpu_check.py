@@ -48,7 +48,7 @@ def _export_logits(device: str) -> float:
 
 
 def prepare() -> None:
-    from lightning_trn.recipes.datasets import load_rotten_tomatoes
+    from lightning_trn.recipes.data_sources import load_rotten_tomatoes
 
     G.mkdir(exist_ok=True)
     documents = (" ".join(d.split()) for d in load_rotten_tomatoes()[0])

@@ -1,10 +1,17 @@
-"""Test configuration: everything runs on XLA:CPU (`PJRT_DEVICE=CPU`), as the README's test command does.
+"""Test configuration: which suite runs a test, and the fixtures shared by both suites.
 
-The native environment (`.venv-native/`, torch 2.13, no torch_xla) runs `tests/standin/` and the shared test files
-that `scripts/test.sh` names, on the stand-in `neuron` device with two devices; `tests/standin/` is not collected
-in the XLA environment.
+Two suites run `tests/`: the XLA suite (`python -m pytest`, torch 2.9 + torch_xla on XLA:CPU, `PJRT_DEVICE=CPU`) and
+the native suite (`.venv-native/bin/python -m pytest`, torch 2.13 without torch_xla, on the stand-in `neuron` device
+with two devices). Markers alone route tests to them: every test module declares `pytestmark` with exactly one of
+`both`, `xla_only` or `native_only` (a list may add others, such as `slow`); a module without one fails collection.
+The marker is read from the module's source, so a suite never imports the other suite's modules (an `xla_only`
+module may import torch_xla at the top). Inside a `both` module a test may carry `xla_only` or `native_only` itself;
+the other suite deselects it (shown as "deselected", so "skipped" counts only real skips).
 """
 
+import ast
+import fnmatch
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -14,22 +21,79 @@ import pytest
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 XLA_SUITE = importlib.util.find_spec("torch_xla") is not None
+SUITE_MARKERS = ("both", "xla_only", "native_only")
+OTHER_SUITE = "native_only" if XLA_SUITE else "xla_only"
+_NOT_COLLECTED = pytest.StashKey[set]()  # the other suite's modules seen, for the collection report
 
-if XLA_SUITE:
-    collect_ignore = ["standin"]
-else:  # the stand-in in this process and in the processes tests launch (LIGHTNING_TRN_STANDIN is inherited)
+if not XLA_SUITE:  # the stand-in in this process and in the processes tests launch (LIGHTNING_TRN_STANDIN is inherited)
     os.environ.setdefault("LIGHTNING_TRN_STANDIN_DEVICES", "2")
     os.environ["LIGHTNING_TRN_STANDIN"] = "1"
     import lightning_trn.standin  # noqa: F401  builds (first time) and loads the stand-in
 
 
+@functools.cache
+def declared_suites(path: Path) -> tuple[str, ...]:
+    """The suite markers named in a test module's `pytestmark`, read from its source without importing it."""
+    for node in ast.parse(path.read_bytes(), filename=str(path)).body:
+        if isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "pytestmark" for target in node.targets):
+            names = {n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute)}
+            return tuple(sorted(names.intersection(SUITE_MARKERS)))
+    return ()
+
+
+def _is_test_module(path: Path, config: pytest.Config) -> bool:
+    patterns = config.getini("python_files")
+    return path.suffix == ".py" and any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns)
+
+
+class OtherSuiteModule(pytest.Module):
+    """A module of the other suite: collected empty and never imported (it may import what this environment lacks)."""
+
+    def collect(self) -> list:
+        return []
+
+
+class UnroutedModule(pytest.Module):
+    """A test module that names no suite (or several): collecting it is an error that says how to fix it."""
+
+    def collect(self) -> list:
+        found = declared_suites(self.path)
+        raise self.CollectError(
+            f"{self.path.name} declares {'the suite markers ' + ', '.join(found) if found else 'no suite marker'}: "
+            "put exactly one at module level, e.g. `pytestmark = pytest.mark.both` (runs in the XLA and the native "
+            "suite), `pytest.mark.xla_only` or `pytest.mark.native_only`; with others as a list, "
+            "`pytestmark = [pytest.mark.both, pytest.mark.slow]`. See docs/contributing.md."
+        )
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    """Routes a test module by its suite marker: the other suite's is left empty, one without a marker fails."""
+    if not _is_test_module(module_path, parent.config):
+        return None
+    suites = declared_suites(module_path)
+    if suites == (OTHER_SUITE,):
+        parent.config.stash.setdefault(_NOT_COLLECTED, set()).add(module_path)
+        return OtherSuiteModule.from_parent(parent, path=module_path)
+    if len(suites) != 1:
+        return UnroutedModule.from_parent(parent, path=module_path)
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In the files both suites run, `xla_only` / `native_only` tests run in their own suite only."""
-    other = "native_only" if XLA_SUITE else "xla_only"
-    skip = pytest.mark.skip(reason=f"{other}: {'XLA' if XLA_SUITE else 'native'} suite")
-    for item in items:
-        if item.get_closest_marker(other) is not None:
-            item.add_marker(skip)
+    """Tests marked for the other suite inside a `both` module are deselected."""
+    deselected = [item for item in items if item.get_closest_marker(OTHER_SUITE) is not None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.get_closest_marker(OTHER_SUITE) is None]
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str:
+    """Says which suite this is and how many of the other suite's modules it left out of the paths asked for."""
+    asked = [Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
+    left_out = sum(
+        any(path == root or root in path.parents for root in asked) for path in config.stash.get(_NOT_COLLECTED, set())
+    )
+    return f"{'XLA' if XLA_SUITE else 'native'} suite: {left_out} {OTHER_SUITE} test modules not collected"
 
 
 @pytest.fixture(autouse=True)

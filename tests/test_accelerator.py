@@ -12,6 +12,8 @@ import lightning_trn
 from lightning_trn import NeuronAccelerator, NeuronPrecision, NeuronUnavailableError, SingleDeviceNeuronStrategy
 from xla_free_python import run_without_torch_xla
 
+pytestmark = pytest.mark.xla_only
+
 
 def test_import_registers_accelerator_and_strategy():
     assert "neuron" in AcceleratorRegistry

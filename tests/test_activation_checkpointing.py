@@ -15,6 +15,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_trn.runtime import get_runtime
 from tests.models import regression_loader
 
+pytestmark = pytest.mark.both
+
 BLOCKS = 3
 
 

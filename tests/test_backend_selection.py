@@ -10,6 +10,8 @@ import pytest
 from lightning_trn import NeuronAccelerator
 from lightning_trn.runtime import BACKEND_ENV, NeuronUnavailableError, get_runtime, select_backend, selection
 
+pytestmark = pytest.mark.xla_only
+
 
 @pytest.fixture
 def stacks(monkeypatch: pytest.MonkeyPatch):

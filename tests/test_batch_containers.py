@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import namedtuple
 from dataclasses import dataclass
 
+import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
@@ -14,6 +15,8 @@ from torch.utils.data import DataLoader
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn.runtime import get_runtime
+
+pytestmark = pytest.mark.both
 
 Sample = namedtuple("Sample", ["x", "y"])
 

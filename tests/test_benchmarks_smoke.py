@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.both, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,3 +145,14 @@ def test_memory_prints_the_fsdp_pair_with_half_the_optimizer_state_per_rank():
     assert row["pair (tool vs baseline)"].startswith("FSDP2 vs DDP")
     assert float(row["optimizer ratio"]) == pytest.approx(0.5, abs=0.02)  # printed to 2 decimals
     assert float(row["peak ratio"]) < 1
+
+
+@pytest.mark.native_only  # FSDP2 runs on the native backend only
+def test_pretrained_load_reads_each_ranks_shard_against_the_whole_files():
+    """Each of 2 FSDP2 ranks reads its half of the folder's bytes (`load_pretrained`), the baseline all of them."""
+    rows = run_benchmark("benchmarks.pretrained_load", "--hidden", "128", "--layers", "2", "--vocab", "1000")
+    assert [row["rank"] for row in rows] == ["0", "1"]
+    for row in rows:
+        model, shard = float(row["model MB"]), float(row["shard MB"])
+        assert row["read MB"] == row["shard MB"] and row["read MB (whole)"] == row["model MB"]
+        assert shard == pytest.approx(model / 2, abs=0.01) and float(row["time ratio"]) > 0

@@ -13,6 +13,8 @@ import lightning_trn  # noqa: F401  (registers accelerator="neuron")
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from models import RegressionModel
 
+pytestmark = pytest.mark.xla_only
+
 
 class CreatesMarkerWhenUnpickled:
     """Unpickling calls `open(marker, "w")`: a stand-in for arbitrary code in a tampered checkpoint."""

@@ -19,6 +19,8 @@ from lightning_trn.pytorch.callbacks.compile_cache.archive import (archive_name,
                                                                    pack_entries)
 from lightning_trn.pytorch.callbacks import NeuronCompileCache
 
+pytestmark = pytest.mark.xla_only
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SECRET = "TEST-SECRET-KEY-d41d8cd98f00b204"
 BUCKET = "compile-cache"

@@ -19,6 +19,8 @@ from benchmarks._harness import wait_for_device
 from lightning_trn.pytorch.callbacks import CompileMonitor
 from lightning_trn.runtime import get_runtime
 
+pytestmark = pytest.mark.both
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo_caches():

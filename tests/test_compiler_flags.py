@@ -15,6 +15,8 @@ from lightning_trn.pytorch.callbacks.compiler_flags import cc_flags_digest
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.environment import parse_cc_flags
 
+pytestmark = pytest.mark.xla_only
+
 
 @pytest.fixture(autouse=True)
 def no_user_flags(monkeypatch):

@@ -1,6 +1,6 @@
 """What `Trainer(accelerator=..., strategy=...)` resolves to with lightning_trn imported: Lightning's strategy names
-on a Neuron run (item 3 of issue 17), another package registering "neuron" (item 10) and `accelerator="auto"` on a
-Neuron host (item 11). Run by both suites."""
+on a Neuron run, another package registering "neuron" and `accelerator="auto"` on a Neuron host. Run by both
+suites."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lightning_trn import NeuronAccelerator, NeuronDDPStrategy, NeuronPrecision, SingleDeviceNeuronStrategy
-from lightning_trn.hooks import registration
+from lightning_trn import registration
 from lightning_trn.runtime import native
+
+pytestmark = pytest.mark.both
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
 

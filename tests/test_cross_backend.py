@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.xla_only
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = PROJECT_ROOT / "tests" / "scripts" / "resume_train.py"
 NATIVE_PYTHON = Path(os.environ.get("LIGHTNING_TRN_NATIVE_PYTHON", PROJECT_ROOT / ".venv-native" / "bin" / "python"))

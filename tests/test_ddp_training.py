@@ -16,6 +16,8 @@ import torch
 
 from tests.launch import child_env
 
+pytestmark = pytest.mark.both
+
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 STEPS = 5
 #: float32 SGD on a 2-process mean of means vs a 1-process mean: equal up to summation order
@@ -70,7 +72,7 @@ def _assert_trained_like_reference(
             f"neuron:{r % devices_per_node}" for r in (0, 1)
         ]
     assert [(out / f"tied_rank{r}.txt").read_text() for r in (0, 1)] == ["True", "True"]
-    # a gloo group left to the interpreter's teardown aborts the process now and then (issue 17 item 8)
+    # a gloo group left to the interpreter's teardown aborts the process now and then, after a finished run
     assert [(out / f"groups_destroyed_rank{r}.txt").read_text() for r in (0, 1)] == ["True", "True"]
     weights = _weights(out)
     assert weights.keys() == reference.keys()
@@ -158,7 +160,7 @@ FABRIC_SCRIPT = Path(__file__).parent / "scripts" / "fabric_train.py"
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_fabric_loop_on_two_processes_matches_the_trainer_on_one(tmp_path: Path, reference: tuple, launcher: str):
-    """The same job as a Fabric loop written the natural way (issue 16): `fabric.launch()` self-launch or torchrun,
+    """The same job as a Fabric loop written the natural way: `fabric.launch()` self-launch or torchrun,
     batch 4 on each of 2 ranks, ends with the weights of the 1-process Trainer run on batch 8."""
     prefix = [sys.executable] if launcher == "python" else _torchrun(nproc=2)
     args = [str(FABRIC_SCRIPT), "--out", str(tmp_path), "--devices", "2", "--batch-size", "4", "--steps", str(STEPS)]

@@ -1,4 +1,4 @@
-"""Device stats (issue 18): `DeviceStatsMonitor` on a Neuron run logs the runtime's memory figures and, on a Neuron
+"""Device stats (docs/operations.md): `DeviceStatsMonitor` on a Neuron run logs the runtime's memory figures and, on a Neuron
 host, `neuron-monitor`'s NeuronCore utilization and device memory (here a fake `neuron-monitor` on PATH, the process
 boundary); where the platform offers none (XLA:CPU) it says so once."""
 
@@ -16,6 +16,8 @@ from lightning.pytorch.callbacks import DeviceStatsMonitor
 
 from lightning_trn.runtime import base, get_runtime, monitor
 from models import RegressionModel, regression_loader
+
+pytestmark = pytest.mark.both
 
 #: the document of the Neuron docs' "neuron-monitor user guide", cut to the fields read, for process `pid`
 def _document(pid: int) -> dict:

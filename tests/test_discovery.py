@@ -13,6 +13,8 @@ from lightning_trn.runtime.discovery import (
     visible_core_count,
 )
 
+pytestmark = pytest.mark.xla_only
+
 
 @pytest.mark.parametrize(
     ("spec", "expected"),

@@ -1,4 +1,4 @@
-"""`Fabric(accelerator="neuron")` on one device (issue 16), on whichever backend the suite runs: the strategy and
+"""`Fabric(accelerator="neuron")` on one device, on whichever backend the suite runs: the strategy and
 precision it picks, a natural Fabric loop equal to the Trainer's run, precision dtypes, one graph per step and none
 read back between steps, an evaluation loop cut per batch, and checkpoints either API resumes. The 2-process runs
 are in tests/test_ddp_training.py."""
@@ -20,6 +20,8 @@ import lightning_trn
 from lightning_trn import fabric as neuron_fabric
 from lightning_trn.runtime import get_runtime
 from models import RegressionModel, regression_loader
+
+pytestmark = pytest.mark.both
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 STEPS = 6

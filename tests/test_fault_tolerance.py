@@ -21,13 +21,16 @@ import torch
 from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_trn.core.checkpoint_io import LOADER_STATES_KEY, NeuronCheckpointIO
+from lightning_trn.core.checkpoint_file import LOADER_STATES_KEY
+from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
 from lightning_trn.core.random_state import (
     RANDOM_STATE_KEY, host_states, loader_generators, set_host_states, step_seed,
 )
 from tests.launch import child_env
 from tests.models import AugmentedDataset
+
+pytestmark = pytest.mark.both
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = PROJECT_ROOT / "tests" / "scripts"

@@ -1,4 +1,4 @@
-"""The health check (issue 18): `python -m lightning_trn.healthcheck` on 1 and 2 processes (self-launched and under
+"""The health check (docs/operations.md): `python -m lightning_trn.healthcheck` on 1 and 2 processes (self-launched and under
 torchrun), a rank made to return a wrong result or to hang at the device boundary (`tests/scripts/
 faulty_healthcheck.py`), and the `NeuronHealthCheck` callback stopping `fit` before its first step."""
 
@@ -20,6 +20,8 @@ from lightning_trn.healthcheck.__main__ import _launch_defaults
 from models import RegressionModel, regression_loader
 from launch import child_env
 from test_ddp_training import _torchrun
+
+pytestmark = pytest.mark.both
 
 FAULTY = Path(__file__).parent / "scripts" / "faulty_healthcheck.py"
 #: a 2-process check (interpreters starting, a few small graphs compiled) ends well within this

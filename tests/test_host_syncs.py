@@ -14,6 +14,8 @@ from lightning_trn.pytorch.callbacks.progress_bar import HostSyncFreeMetricsMixi
 from lightning_trn.runtime import get_runtime
 from models import RegressionModel
 
+pytestmark = pytest.mark.both
+
 LOG_EVERY = 10
 
 
@@ -106,7 +108,7 @@ def test_progress_bar_metrics_are_numbers_after_fit(tmp_path):
     trainer = Trainer(accelerator="neuron", max_steps=3, default_root_dir=tmp_path, logger=False,
                       enable_checkpointing=False)
     trainer.fit(RegressionModel())
-    assert trainer.strategy.defer_progress_bar_metrics
+    assert trainer.strategy.hook_contract.defer_progress_bar_metrics
     metrics = trainer.progress_bar_metrics
     assert isinstance(metrics["train_loss"], float)
     assert json.loads(json.dumps(metrics)) == metrics
@@ -119,7 +121,7 @@ def test_custom_progress_bar_keeps_lightning_behaviour(tmp_path):
     trainer = Trainer(accelerator="neuron", max_steps=3, default_root_dir=tmp_path, callbacks=[MyBar()], logger=False)
     trainer.fit(RegressionModel())
     assert type(trainer.progress_bar_callback) is MyBar
-    assert not trainer.strategy.defer_progress_bar_metrics
+    assert not trainer.strategy.hook_contract.defer_progress_bar_metrics
     assert isinstance(trainer.progress_bar_metrics["train_loss"], float)
 
 

@@ -1,4 +1,4 @@
-"""Compile and transfer economy of a whole job (issue 19): counts per phase that `benchmarks/job_economy.py` measures
+"""Compile and transfer economy of a whole job (docs/job-economy.md): counts per phase that `benchmarks/job_economy.py` measures
 for the recipes, asserted here for a small model so a regression fails CI."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_metric_states_enter_every_step_graph_as_inputs():
     import torch_xla
 
     from lightning_trn.hooks import registry as lightning_hooks
-    from lightning_trn.hooks.metric_states import place_scalars
+    from lightning_trn.core.scalars import place_scalars
     from lightning_trn.recipes.metrics import MaskedAccuracy
 
     runtime = get_runtime()

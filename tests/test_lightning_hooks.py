@@ -1,7 +1,7 @@
-"""The hooks into Lightning's internals (`lightning_trn.hooks.registry`) are in place only while a Neuron run is
-(issue 17, item 9): `import lightning_trn` leaves Lightning's code as it is, a Neuron fit installs them, its teardown
-(also after an exception) puts Lightning's originals back, and a CPU run in the same process runs Lightning's own
-code. Run by both suites."""
+"""The hooks into Lightning's internals (`lightning_trn.hooks.registry`) are in place only while a Neuron run is,
+so other Lightning runs in the process are unchanged: `import lightning_trn` leaves Lightning's code as it is, a
+Neuron fit installs them, its teardown (also after an exception) puts Lightning's originals back, and a CPU run in
+the same process runs Lightning's own code. Run by both suites."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_trn.hooks import registry as lightning_hooks
 from models import RegressionModel, regression_loader
+
+pytestmark = pytest.mark.both
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 

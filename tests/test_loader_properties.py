@@ -1,6 +1,6 @@
 """`trainer.train_dataloader`, `val_dataloaders`, `test_dataloaders` and `predict_dataloaders` return the user's
 DataLoaders on a Neuron run, during and after it, as on a CPU run, while the batches still come through the device
-prefetcher (issue 17, item 13). Run by both suites."""
+prefetcher. Run by both suites."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from torch import nn
 
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from models import RegressionModel, regression_loader
+
+pytestmark = pytest.mark.both
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 

@@ -12,8 +12,11 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from lightning_trn.hooks import logging as logging_hooks
+from lightning_trn.hooks.contract import HookContract
 from lightning_trn.pytorch.strategies import SingleDeviceNeuronStrategy
 from models import regression_loader
+
+pytestmark = pytest.mark.xla_only
 
 
 class LogsEverything(LightningModule):
@@ -60,8 +63,7 @@ def fit(tmp_path, fast_log: bool, model_class=LogsEverything, max_epochs: int = 
     seed_everything(0)
     model = model_class()
     strategy = SingleDeviceNeuronStrategy()
-    strategy.fast_log = fast_log
-    strategy.epoch_values_on_host = epoch_values_on_host
+    strategy.hook_contract = HookContract(fast_log=fast_log, epoch_values_on_host=epoch_values_on_host)
     trainer = Trainer(accelerator="neuron", strategy=strategy, max_epochs=max_epochs, default_root_dir=tmp_path,
                       logger=CSVLogger(tmp_path, name="logs"), log_every_n_steps=5, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)

@@ -16,6 +16,8 @@ from torch import nn
 from lightning_trn.hooks.loop_shortcuts import _NullContextProfiler, _UnscaledClosureResult, cached_signature_check
 from models import RegressionModel, regression_loader
 
+pytestmark = pytest.mark.xla_only
+
 
 @pytest.fixture
 def module_setattr_calls(monkeypatch, neuron_run_hooks):

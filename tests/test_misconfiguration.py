@@ -21,6 +21,8 @@ from lightning_trn.runtime import BACKEND_ENV, discovery, selection
 from lightning_trn.runtime.collectives import check_world_size
 from models import RegressionModel
 
+pytestmark = pytest.mark.xla_only
+
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 #: rows whose mistake needs the native backend: checked by tests/standin/test_model_parallel.py
 NATIVE_ROWS = ("model-parallel-sizes", "model-parallel-optimizer", "fsdp-sharding-strategy")
@@ -118,7 +120,7 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
             AcceleratorRegistry["neuron"] = entry
 
     def autograd_started_first():
-        # the real case needs a fresh process (tests/test_autograd_start.py); here autograd's assert is replayed
+        # the real case needs a fresh process (tests/test_cpu_backward_first.py); here autograd's assert is replayed
         def engine_without_device_workers(*args, **kwargs):
             raise RuntimeError("0 <= device.index() && device.index() < device_ready_queues_.size() INTERNAL ASSERT")
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.xla_only
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -19,6 +19,8 @@ from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.runtime import Platform, get_runtime
 from lightning_trn.runtime.discovery import CPU, NEURON
 
+pytestmark = pytest.mark.xla_only
+
 SR_EN = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
 SR_SEED = "NEURON_RT_STOCHASTIC_ROUNDING_SEED"
 CC_FLAGS = "NEURON_CC_FLAGS"

@@ -16,6 +16,8 @@ from lightning_trn.pytorch.callbacks.compile_cache.archive import list_entries
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.discovery import NEURON, Platform
 
+pytestmark = pytest.mark.xla_only
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 #: a "real" training script: 5 epochs of 8 batches, checkpoints and a CSV logger, a compile cache

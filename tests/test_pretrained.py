@@ -1,5 +1,5 @@
 """`lightning_trn.load_pretrained`: a Hugging Face `save_pretrained` folder read into a model built on the meta device
-(or on the host), on one device of the running backend (XLA:CPU here; tests/standin/test_pretrained.py runs the
+(or on the host), on one device of the running backend (XLA:CPU here; tests/standin/test_pretrained_sharded.py runs the
 same check on the stand-in `neuron` device and the sharded ones), and its refusals.
 
 The model is a tiny Llama whose sizes shard unevenly (hidden 36, 6 heads over 2 key/value heads, vocabulary 101),
@@ -20,8 +20,10 @@ from lightning_trn import load_pretrained, meta_model_from_pretrained
 from lightning_trn.core.model_parallel import materialize
 from lightning_trn.runtime import get_runtime
 
-TINY = dict(vocab_size=101, hidden_size=36, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
-            num_key_value_heads=2, tie_word_embeddings=True)
+pytestmark = pytest.mark.xla_only
+
+TINY = {"vocab_size": 101, "hidden_size": 36, "intermediate_size": 70, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "tie_word_embeddings": True}
 
 
 class Folder(NamedTuple):
@@ -92,6 +94,23 @@ def test_host_built_module_under_a_prefix_from_one_file(tmp_path: Path) -> None:
 
     saved = load_file(tmp_path / "model.safetensors")["model.norm.weight"]
     assert torch.equal(wrapper.model.model.norm.weight, saved.to(torch.bfloat16))
+
+
+def test_a_bf16_folder_builds_fp32_master_weights(tmp_path: Path) -> None:
+    """Published folders say `dtype: bfloat16`: the model is built in torch's default dtype all the same (training
+    keeps fp32 masters) and filled with the bf16 values upcast; `dtype=` builds another."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = meta_model_from_pretrained(tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    load_pretrained(model, tmp_path, device=torch.device("cpu"))
+    saved = load_file(tmp_path / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    assert saved.dtype == torch.bfloat16
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, saved.float())
+    assert {p.dtype for p in meta_model_from_pretrained(tmp_path, dtype=torch.bfloat16).parameters()} == {
+        torch.bfloat16}
 
 
 def test_refusals_name_what_does_not_fit(tiny: Folder, tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
-"""Profilers on a Neuron run. Lightning's `XLAProfiler` (issue 17, item 4): its traces stay open around the strategy's
-steps, where the strategy cuts the graph; training, validation, test and predict (and manual optimization, whose
-optimizer step cuts inside `training_step`) run to the end, with the same steps and no compile after warm-up. Issue 18:
-the run is recorded as a TensorBoard trace; `PyTorchProfiler` keeps the graph-cut rhythm on XLA and records the
-`neuron` device's ops natively (the PrivateUse1 activity)."""
+"""Profilers on a Neuron run. Lightning's `XLAProfiler`: its traces stay open around the strategy's steps, where the
+strategy cuts the graph; training, validation, test and predict (and manual optimization, whose optimizer step cuts
+inside `training_step`) run to the end, with the same steps and no compile after warm-up. The run is also recorded as
+a TensorBoard trace (docs/operations.md, "Profiling"); `PyTorchProfiler` keeps the graph-cut rhythm on XLA and
+records the `neuron` device's ops natively (the PrivateUse1 activity)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from torch import nn
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn.runtime import get_runtime
 from models import RegressionModel, regression_loader
+
+pytestmark = pytest.mark.both
 
 
 class Evaluated(RegressionModel):

@@ -12,6 +12,8 @@ from lightning.pytorch.callbacks.progress import rich_progress, tqdm_progress
 from lightning_trn.pytorch.callbacks.progress_bar import NeuronRichProgressBar, NeuronTQDMProgressBar
 from models import RegressionModel
 
+pytestmark = pytest.mark.xla_only
+
 BATCHES = 32  # `regression_loader()`: 512 rows in batches of 16
 STEP_SECONDS = 0.01  # the fake clock advances this much per batch: 100 steps/s
 

@@ -1,4 +1,4 @@
-"""The LLM recipe (`recipes/llm.py`) on XLA:CPU: the default job meets its perplexity bar without recompiling per
+"""The LLM recipe (`recipes/llm/`) on XLA:CPU: the default job meets its perplexity bar without recompiling per
 step, its export loads in plain transformers without torch_xla, bad overrides are one line, the packed blocks keep
 every token, the tokenizer is deterministic and the causal mask reads nothing from the device."""
 
@@ -15,6 +15,8 @@ import torch
 
 from lightning_trn.recipes import cli, common, llm
 from tests.xla_free_python import run_without_torch_xla
+
+pytestmark = pytest.mark.xla_only
 
 DOCUMENTS = [f"review {i}: " + "good " * (i % 7) + "bad " * (i % 3) + f"film number {i * 37}." for i in range(300)]
 
@@ -146,14 +148,15 @@ def test_documents_split_with_the_seed():
 
 
 def test_the_tokenizer_is_deterministic_in_and_across_processes(tmp_path):
-    from lightning_trn.recipes.datasets import load_rotten_tomatoes
+    from lightning_trn.recipes.data_sources import load_rotten_tomatoes
 
     texts = llm.split_documents(load_rotten_tomatoes()[0], 0.1, 0.1, seed=42)[0]
     first = llm.train_tokenizer(texts, 2048)
     again = llm.train_tokenizer(texts, 2048)
     assert first.backend_tokenizer.to_str() == again.backend_tokenizer.to_str()
     assert len(first) == 2048 and [first.bos_token_id, first.eos_token_id, first.pad_token_id] == [0, 1, 2]
-    code = ("from lightning_trn.recipes import llm\nfrom lightning_trn.recipes.datasets import load_rotten_tomatoes\n"
+    code = ("from lightning_trn.recipes import llm\n"
+            "from lightning_trn.recipes.data_sources import load_rotten_tomatoes\n"
             "texts = llm.split_documents(load_rotten_tomatoes()[0], 0.1, 0.1, seed=42)[0]\n"
             "print(llm.train_tokenizer(texts, 2048).backend_tokenizer.to_str())\n")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

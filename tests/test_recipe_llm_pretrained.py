@@ -16,7 +16,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from lightning_trn.recipes import cli, common, llm, sft
+from lightning_trn.recipes import cli, common, llm
+from lightning_trn.recipes.llm import sft
+
+pytestmark = pytest.mark.both
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}<|eos|>{% endfor %}"
                  "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}")

@@ -1,4 +1,4 @@
-"""The LLM recipe (`lightning_trn/recipes/llm.py`) under its command-line strategy overrides on XLA:CPU: each ends
+"""The LLM recipe (`lightning_trn/recipes/llm/`) under its command-line strategy overrides on XLA:CPU: each ends
 with exactly the run it stands for, not merely a run whose loss went down.
 
 - `trainer.strategy=neuron_ddp` / `neuron_zero1` with `trainer.devices=2` and half the per-device batch end with the
@@ -21,6 +21,8 @@ import pytest
 
 from tests.launch import child_env
 from tests.recipe_runs import TINY_LLM, assert_ends_alike, run
+
+pytestmark = pytest.mark.xla_only
 
 #: one layer: half the compile time of the default two
 TINY = (*TINY_LLM, "model.num_layers=1")

@@ -13,7 +13,7 @@ from lightning_trn.recipes import common
 from lightning_trn.recipes.cli import load_config
 from tests.xla_free_python import run_without_torch_xla
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.xla_only, pytest.mark.slow]
 
 #: what the child checks on the exported model: `module` (reloaded), `batch`, `out` (export dir) are defined
 _EXPORT_CHECKS = {

@@ -16,13 +16,15 @@ from timm.models.vision_transformer import VisionTransformer
 from lightning_trn.recipes import cli
 from lightning_trn.recipes.classifier import ClassifierModule
 from lightning_trn.recipes.common import RecipeConfig
-from lightning_trn.recipes.data import TensorDataModule, pad_to_multiple, shuffled_split
 from lightning_trn.recipes.metrics import MaskedAccuracy
 from lightning_trn.recipes.mlp import RECIPE as MLP
 from lightning_trn.recipes.mlp import MlpConfig
 from lightning_trn.recipes.mnist import MnistData
 from lightning_trn.recipes.patch_embed import LinearPatchEmbed, to_conv_state_dict, to_linear_state_dict
+from lightning_trn.recipes.tensor_datamodule import TensorDataModule, pad_to_multiple, shuffled_split
 from lightning_trn.recipes.vit import MnistViT
+
+pytestmark = pytest.mark.xla_only
 
 
 def test_linear_patch_embed_equals_conv_on_same_weights():
@@ -201,7 +203,7 @@ def test_help_lists_every_key_with_its_default_and_type(capsys):
 
 
 def test_offline_data_sets():
-    from lightning_trn.recipes.datasets import load_mnist_5k, load_rotten_tomatoes
+    from lightning_trn.recipes.data_sources import load_mnist_5k, load_rotten_tomatoes
 
     mnist = load_mnist_5k()
     assert mnist["x"].shape == (5000, 784) and torch.bincount(mnist["y"]).tolist() == [500] * 10

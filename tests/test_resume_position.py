@@ -1,4 +1,4 @@
-"""Mid-epoch resumes on a Neuron run continue exactly at the first batch not trained on (issue 17, item 5): after
+"""Mid-epoch resumes on a Neuron run continue exactly at the first batch not trained on: after
 an `OnExceptionCheckpoint` (the failed batch is trained on again, as its step never finished) and from a checkpoint
 a CPU run wrote mid-epoch (it holds no state of the plugin's loader). Run by both suites."""
 
@@ -14,6 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
+
+pytestmark = pytest.mark.both
 
 BATCHES = 8
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)

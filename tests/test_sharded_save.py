@@ -15,6 +15,8 @@ from lightning_trn.core import sharded_save
 from lightning_trn.core.sharded_save import recover, recover_all, remove, staged_directory, staging_path
 from tests.sharded_runs import can_exchange, kill_inside_a_save, resume_to_the_end, run_job
 
+pytestmark = pytest.mark.both
+
 
 class Killed(BaseException):
     """Stands for a SIGKILL at that point: nothing after it runs."""

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
@@ -9,6 +10,8 @@ from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.runtime import get_runtime
 from models import RegressionModel, regression_loader
 from xla_free_python import run_without_torch_xla
+
+pytestmark = pytest.mark.xla_only
 
 STEPS_PER_EPOCH = 32  # 512 samples / batch 16
 

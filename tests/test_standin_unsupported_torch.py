@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.xla_only
 
 
 def test_stand_in_on_an_unsupported_torch_names_the_fix() -> None:

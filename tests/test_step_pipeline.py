@@ -13,6 +13,8 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from lightning_trn.runtime import get_runtime
 from models import RegressionModel, regression_loader
 
+pytestmark = pytest.mark.xla_only
+
 STEPS_PER_EPOCH = 32  # regression_loader(): 512 samples / batch 16
 
 

@@ -1,4 +1,4 @@
-"""Throughput and MFU (issue 18): Lightning's `ThroughputMonitor` on a Neuron run gets the NeuronCore's dense peak for
+"""Throughput and MFU (docs/operations.md): Lightning's `ThroughputMonitor` on a Neuron run gets the NeuronCore's dense peak for
 the precision's compute dtype, adds no device read, and CPU runs keep Lightning's own answers."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import lightning_trn  # noqa: F401  registers accelerator="neuron" and the throu
 from lightning_trn.hooks.throughput import CHIP_ENV, PEAK_FLOPS, peak_flops
 from lightning_trn.runtime import discovery, get_runtime
 from models import RegressionModel, regression_loader
+
+pytestmark = pytest.mark.both
 
 STEPS = 8
 WINDOW = 3

@@ -12,6 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
 
+pytestmark = pytest.mark.both
+
 VOCAB, WIDTH = 12, 6
 
 

@@ -12,6 +12,8 @@ import lightning_trn
 from lightning_trn.runtime import get_runtime
 from models import RegressionModel, regression_loader
 
+pytestmark = pytest.mark.both
+
 
 class CompiledRegression(RegressionModel):
     """`RegressionModel` with its layer compiled by `lightning_trn.compile` (or not, for the reference)."""

@@ -30,6 +30,8 @@ from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.host_collectives import HostCollectives
 from tests.launch import child_env
 
+pytestmark = pytest.mark.both
+
 SCRIPT = Path(__file__).parent / "scripts" / "zero1_train.py"
 #: float32 Adam on a 2-process mean of micro-batch means vs a 1-process mean: equal up to summation order
 TOLERANCE = 1e-6

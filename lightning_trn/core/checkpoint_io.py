@@ -4,10 +4,8 @@ A checkpoint written on Trainium must load on a GPU or CPU machine without torch
 `torch.load(..., weights_only=True)`. So every tensor is moved to the host and config containers
 (omegaconf) become plain dicts/lists before `torch.save`.
 
-Local writes are atomic and durable: temp file in the target's directory, fsync, `os.replace`, fsync of the directory.
-(Lightning's own `_atomic_save` stages the file in the system temp dir through fsspec; when that is another
-filesystem, e.g. a tmpfs `/tmp`, the final move is a copy into the target, and a kill mid-copy truncates it.)
-Remote paths (`s3://` ...) go through Lightning's fsspec writer.
+Local writes are atomic and durable (`lightning_trn.core.checkpoint_file.atomic_local_save`). Remote paths
+(`s3://` ...) go through Lightning's fsspec writer.
 
 Local checkpoint files are memory-mapped (`torch.load(mmap=True)`): a ZeRO-1 rank that resumes a full checkpoint reads
 only its own slices of the optimizer state, not the whole file.
@@ -19,17 +17,17 @@ them at another. Loading a torch.distributed.checkpoint directory written by a s
 (`lightning_trn.core.distributed_checkpoint`) also gives the full checkpoint: a sharded run resumes on one device, the
 CPU or a GPU.
 
-The train loaders' resume positions (`DevicePrefetchLoader.state_dict`) are stored under their own top-level key
-instead of Lightning's fit-loop state: a CPU/GPU run, whose plain DataLoader is not stateful, would otherwise refuse
-the checkpoint ("0 stateful loaders, but found 1 states"). Loading through this class puts them back.
+The train loaders' resume positions are stored under their own top-level key instead of Lightning's fit-loop state
+(`lightning_trn.core.checkpoint_file.stash_loader_states`: a CPU/GPU run would otherwise refuse the checkpoint).
+Loading through this class puts them back.
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 import zipfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from fsspec.core import url_to_fs
@@ -39,6 +37,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
+from lightning_trn.core.checkpoint_file import atomic_local_save, stash_loader_states, unstash_loader_states
 from lightning_trn.core.distributed_checkpoint import is_distributed_checkpoint, load_consolidated
 from lightning_trn.core.zero1 import SHARDED_MAIN_FILE, consolidate
 
@@ -66,83 +65,12 @@ def to_portable(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
     runtime = get_runtime()
     batched = [t for t in on_device if t.device.type == runtime.device_type]
-    host = {id(t): copy for t, copy in zip(batched, runtime.to_host(batched))}
+    host = {id(t): copy for t, copy in zip(batched, runtime.to_host(batched), strict=True)}
     return apply_to_collection(
-        checkpoint, torch.Tensor,
+        checkpoint,
+        torch.Tensor,
         lambda t: host[id(t)] if id(t) in host else (t.detach().cpu() if t.device.type != "cpu" else t),
     )
-
-
-#: top-level checkpoint key holding the train loaders' states, moved out of `loops.fit_loop.state_dict`
-LOADER_STATES_KEY = "lightning_trn_train_loader_states"
-_FIT_LOOP_PATH = ("loops", "fit_loop", "state_dict")
-_LIGHTNING_LOADER_STATES = "combined_loader"
-
-
-def stash_loader_states(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Copy of `checkpoint` with Lightning's train-loader states moved to `LOADER_STATES_KEY` (see module docstring)."""
-    fit_loop_state = _nested(checkpoint, _FIT_LOOP_PATH)
-    if not isinstance(fit_loop_state, dict) or _LIGHTNING_LOADER_STATES not in fit_loop_state:
-        return checkpoint
-    loops = dict(checkpoint["loops"])
-    loops["fit_loop"] = dict(loops["fit_loop"])
-    loops["fit_loop"]["state_dict"] = {k: v for k, v in fit_loop_state.items() if k != _LIGHTNING_LOADER_STATES}
-    return {**checkpoint, "loops": loops, LOADER_STATES_KEY: fit_loop_state[_LIGHTNING_LOADER_STATES]}
-
-
-def unstash_loader_states(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Put states saved by `stash_loader_states` back where Lightning's fit loop reads them (in place)."""
-    states = checkpoint.pop(LOADER_STATES_KEY, None)
-    fit_loop_state = _nested(checkpoint, _FIT_LOOP_PATH)
-    if states is not None and isinstance(fit_loop_state, dict):
-        fit_loop_state[_LIGHTNING_LOADER_STATES] = states
-    return checkpoint
-
-
-def _nested(mapping: Any, keys: tuple[str, ...]) -> Any:
-    for key in keys:
-        if not isinstance(mapping, dict):
-            return None
-        mapping = mapping.get(key)
-    return mapping
-
-
-def atomic_local_save(checkpoint: dict[str, Any], path: _PATH) -> None:
-    """`torch.save` to local `path` so that a reader (or a crash) sees the old file or the new one, never a part.
-
-    The bytes go to a hidden `.<name>.<pid>.<random>.tmp` next to `path` (same filesystem, so the rename is atomic)
-    and are fsynced before the rename. A process killed mid-write leaves that temp file behind; it never has the
-    checkpoint suffix, so `ckpt_path="last"` and `ModelCheckpoint` ignore it.
-    """
-    path = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:  # created with 0o666 & ~umask, like any new file
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: str) -> None:
-    """Persist the rename itself (the directory entry); not possible on every OS/filesystem, so best effort."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class NeuronCheckpointIO(TorchCheckpointIO):
@@ -156,10 +84,10 @@ class NeuronCheckpointIO(TorchCheckpointIO):
             load as that rank's chunks (`lightning_trn.core.zero1.consolidate`), not as full tensors.
     """
 
-    zero1_shard: Optional[tuple[int, int]] = None
+    zero1_shard: tuple[int, int] | None = None
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         checkpoint = stash_loader_states(to_portable(checkpoint))
         fs, local_path = url_to_fs(str(path))
         if storage_options is None and isinstance(fs, LocalFileSystem):
@@ -171,8 +99,8 @@ class NeuronCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self,
         path: _PATH,
-        map_location: Optional[Callable] = lambda storage, loc: storage,
-        weights_only: Optional[bool] = None,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
         weights_only = True if weights_only is None else weights_only
         main = os.path.join(os.fspath(path), SHARDED_MAIN_FILE)
@@ -181,15 +109,16 @@ class NeuronCheckpointIO(TorchCheckpointIO):
         elif os.path.isdir(path) and os.path.isfile(main):
             checkpoint = self._load_file(main, map_location, weights_only)
             checkpoint = consolidate(
-                checkpoint, os.fspath(path), lambda file: torch.load(file, map_location="cpu", weights_only=True,
-                                                                     mmap=True),
+                checkpoint,
+                os.fspath(path),
+                lambda file: torch.load(file, map_location="cpu", weights_only=True, mmap=True),
                 shard=self.zero1_shard,
             )
         else:
             checkpoint = self._load_file(path, map_location, weights_only)
         return unstash_loader_states(checkpoint)
 
-    def _load_file(self, path: _PATH, map_location: Optional[Callable], weights_only: bool) -> dict[str, Any]:
+    def _load_file(self, path: _PATH, map_location: Callable | None, weights_only: bool) -> dict[str, Any]:
         """A local zip-format file memory-mapped (its tensors read when used), anything else as Lightning loads it."""
         fs, local_path = url_to_fs(str(path))
         if isinstance(fs, LocalFileSystem) and os.path.isfile(local_path) and zipfile.is_zipfile(local_path):

@@ -10,25 +10,36 @@ gloo on host copies on XLA:CPU, the `neuron` process group on the device tensors
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO, atomic_local_save, to_portable
 from lightning_trn.core.precision import NeuronPrecisionCore
-from lightning_trn.core.process_group import ProcessGroupCore
+from lightning_trn.core.process_group import ProcessGroup
+from lightning_trn.core.strategy import CoreMixinBase
 from lightning_trn.core.zero1 import (
-    SHARDED_MAIN_FILE, STATE_DICT_TYPES, Zero1Sharding, chunk_file, sharding_of, split_chunks,
+    SHARDED_MAIN_FILE,
+    STATE_DICT_TYPES,
+    Zero1Sharding,
+    chunk_file,
+    sharding_of,
+    split_chunks,
 )
 
 
-class DataParallelCore(ProcessGroupCore):
-    """Mixed into a Neuron strategy before Lightning's `ParallelStrategy` (the Trainer's or Fabric's); process-group
-    arguments (`process_group_backend`, `timeout`) as `ProcessGroupCore`'s.
+class DataParallelCore(CoreMixinBase):
+    """Mixed into the Trainer's and Fabric's `NeuronDDPStrategy`, before the API's Neuron strategy base; the process
+    groups are a `ProcessGroup` the strategy holds.
 
     Args:
+        process_group_backend: `torch.distributed` backend of the default group (`ProcessGroup`).
+        timeout: timeout of the process groups: a rank waiting on a dead peer fails after at most this long.
         zero1: shard the optimizer state over the ranks (ZeRO-1, docs/memory.md): each rank keeps 1/N of it, gradients
             are reduce-scattered and the parameters all-gathered after each step. `strategy="neuron_zero1"`.
         state_dict_type: with `zero1`: "full" (default) checkpoints hold the whole optimizer state, gathered, in one
@@ -42,11 +53,13 @@ class DataParallelCore(ProcessGroupCore):
     def __init__(
         self,
         *args: Any,
+        process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
         zero1: bool = False,
         state_dict_type: str = "full",
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, process_group=ProcessGroup(process_group_backend, timeout), **kwargs)
         if state_dict_type not in STATE_DICT_TYPES or (state_dict_type == "sharded" and not zero1):
             raise ValueError(
                 f"state_dict_type={state_dict_type!r}: use 'full', or 'sharded' together with `zero1=True` (without "
@@ -56,28 +69,31 @@ class DataParallelCore(ProcessGroupCore):
         self.state_dict_type = state_dict_type
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        super().register_strategies(strategy_registry)  # type: ignore[misc]
+        super().register_strategies(strategy_registry)
         strategy_registry.register(
-            cls.zero1_strategy_name, cls, zero1=True,
+            cls.zero1_strategy_name,
+            cls,
+            zero1=True,
             description="Data-parallel with ZeRO-1 sharded optimizer state (lightning_trn)",
         )
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
+    @override
     def setup_environment(self) -> None:
-        """Claim this process's NeuronCore, join the process group, then set the device up: TorchNeuron refuses a
-        `neuron` process group once a device tensor exists (the accelerator's setup runs a probe on it)."""
-        self._claim_device()
-        self._setup_distributed()
-        super().setup_environment()  # type: ignore[misc]
-        io = self.checkpoint_io  # type: ignore[attr-defined]
+        """The strategy's environment (`NeuronStrategyCore.setup_environment`), then, with ZeRO-1, the checkpoint IO
+        learns this rank's shard."""
+        super().setup_environment()
+        io = self.checkpoint_io
         if self.zero1 and isinstance(io, NeuronCheckpointIO):  # a resume reads only this rank's optimizer chunks
-            io.zero1_shard = (self.global_rank, self.world_size)  # type: ignore[attr-defined]
+            io.zero1_shard = (self.global_rank, self.world_size)
 
-    def _broadcast_module_states(self, model: Module) -> None:
+    def _broadcast_weights(self, model: Module) -> None:
         """Start every rank from rank 0's parameters and buffers, whatever each process's seed."""
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel()]
         if tensors:
@@ -86,14 +102,21 @@ class DataParallelCore(ProcessGroupCore):
     def _shard_optimizer(self, optimizer: Optimizer) -> None:
         """With `zero1=True`: shard `optimizer`'s state over the ranks (once; after the weights were broadcast)."""
         if self.zero1 and sharding_of(optimizer) is None:
-            assert self._host_collectives is not None
-            precision = self._neuron_precision()  # type: ignore[attr-defined]
+            assert self._process_group is not None  # a data-parallel strategy always holds one
+            host_collectives = self._process_group.host_collectives
+            assert host_collectives is not None
+            precision = self._neuron_precision()
             rounding = precision.round_parameter if isinstance(precision, NeuronPrecisionCore) else Tensor.to
             Zero1Sharding(
-                optimizer, self.collectives, self._host_collectives, self.global_rank,  # type: ignore[attr-defined]
-                rounding=rounding, state_dict_type=self.state_dict_type,
+                optimizer,
+                self.collectives,
+                host_collectives,
+                self.global_rank,
+                rounding=rounding,
+                state_dict_type=self.state_dict_type,
             )
 
+    @override
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         """Average the gradients over all ranks, once per optimizer step (after accumulation), bucketed; ZeRO-1:
         reduce-scatter them into this rank's chunks."""
@@ -105,9 +128,11 @@ class DataParallelCore(ProcessGroupCore):
         if gradients:
             self.collectives.reduce_gradients(gradients)
 
+    @override
     def _saves_sharded(self) -> bool:
         return self.state_dict_type == "sharded"
 
+    @override
     def _split_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> tuple[dict[str, Any], Any]:
         """Sharded ZeRO-1 checkpoints are directories: this rank writes its chunks to `<path>/zero1-rank<r>.pt` now;
         rank 0 writes the rest to `<path>/checkpoint.pt` (`path`: the save's staging directory,
@@ -118,6 +143,7 @@ class DataParallelCore(ProcessGroupCore):
         atomic_local_save(to_portable({"chunks": chunks}), os.path.join(path, chunk_file(self.global_rank)))
         return checkpoint, os.path.join(path, SHARDED_MAIN_FILE)
 
+    @override
     def _after_update(self, optimizer: Optimizer) -> None:
         """ZeRO-1: all-gather the updated chunks into the parameters."""
         sharding = sharding_of(optimizer)

@@ -7,13 +7,16 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils.data import RandomSampler
 
 from lightning_trn.core.random_state import (
-    generator_states, host_states, loader_generators, set_generator_states,
+    generator_states,
+    host_states,
+    loader_generators,
+    set_generator_states,
 )
 from lightning_trn.runtime import DeviceRuntime
 
@@ -22,8 +25,16 @@ log = logging.getLogger(__name__)
 #: `state_dict()` key: batches of the current epoch handed to the training loop (including skipped ones)
 BATCHES_YIELDED = "batches_yielded"
 _OWN_ATTRIBUTES = (
-    "_loader", "_device", "_runtime", "_deliveries", "_position", "_before_batch", "_yielded", "_skip",
-    "_epoch_start", "_order_restored",
+    "_loader",
+    "_device",
+    "_runtime",
+    "_deliveries",
+    "_position",
+    "_before_batch",
+    "_yielded",
+    "_skip",
+    "_epoch_start",
+    "_order_restored",
 )
 
 
@@ -60,9 +71,9 @@ class DevicePrefetchLoader:
         dataloader: Any,
         device: torch.device,
         runtime: DeviceRuntime,
-        deliveries: Optional[deque] = None,
-        position: Optional[Callable[[], int]] = None,
-        before_batch: Optional[Callable[[], None]] = None,
+        deliveries: deque | None = None,
+        position: Callable[[], int] | None = None,
+        before_batch: Callable[[], None] | None = None,
     ) -> None:
         self._loader = dataloader
         self._device = device
@@ -73,7 +84,7 @@ class DevicePrefetchLoader:
         self._yielded = 0
         self._skip = 0
         #: host and loader generator states at the start of the epoch being iterated (None: no epoch under way)
-        self._epoch_start: Optional[dict[str, Any]] = None
+        self._epoch_start: dict[str, Any] | None = None
         #: the epoch's order was restored from a checkpoint (`restore_random_state`): no warning when skipping
         self._order_restored = False
 

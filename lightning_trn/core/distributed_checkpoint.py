@@ -14,6 +14,7 @@ the parameter's position, as `optimizer.state_dict()` does. Non-tensor entries l
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -23,12 +24,14 @@ import struct
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_trn.core.checkpoint_file import atomic_local_save, stash_loader_states
 
 #: the file of the DCP directory that says what it holds
 METADATA_FILE = ".metadata"
@@ -41,8 +44,16 @@ BATCH_BYTES = 512 * 2**20
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 #: safetensors' dtype names
 _SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -69,7 +80,7 @@ class _MetadataOnceReader(FileSystemReader):
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
-        self._metadata: Optional[Metadata] = None
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -105,7 +116,7 @@ class DistributedCheckpointReader:
         return entries
 
     def read_tensors(
-        self, keys: Iterable[str], allocate: Optional[Callable[[str, TensorStorageMetadata], torch.Tensor]] = None
+        self, keys: Iterable[str], allocate: Callable[[str, TensorStorageMetadata], torch.Tensor] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(key, whole tensor) for the tensor entries `keys`, in order, read a batch at a time: entries in order up to
         `BATCH_BYTES` together (a larger one alone), one load each, into `allocate(key, metadata)` or new CPU
@@ -143,7 +154,7 @@ class DistributedCheckpointReader:
 def _set(root: dict[str, Any], path: tuple, value: Any) -> None:
     """Put `value` at `path` (dict keys and list positions) in `root`, making the containers on the way."""
     node: Any = root
-    for key, following in zip(path[:-1], path[1:]):
+    for key, following in itertools.pairwise(path):
         if isinstance(node, list):
             node.extend([None] * (key + 1 - len(node)))
             if node[key] is None:
@@ -168,7 +179,9 @@ def _by_position(optimizer: dict[str, Any]) -> dict[str, Any]:
 
 def _is_named_optimizer_state(value: Any) -> bool:
     groups = value.get("param_groups") if isinstance(value, dict) else None
-    return bool(groups) and all(isinstance(name, str) for group in groups for name in group.get("params", []))
+    if not groups:
+        return False
+    return all(isinstance(name, str) for group in groups for name in group.get("params", []))
 
 
 def _one_file_format(saved: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
@@ -205,8 +218,6 @@ def write_consolidated(path: Any, output: Any) -> None:
     by batch: each tensor is read straight into a memory-mapped scratch file beside `output` (the host holds one chunk
     at a time; the page cache holds the rest and can write it out), then `torch.save` streams them into the file,
     which replaces `output` atomically."""
-    from lightning_trn.core.checkpoint_io import atomic_local_save, stash_loader_states
-
     reader = DistributedCheckpointReader(path)
     directory = os.path.dirname(os.path.abspath(os.fspath(output)))
     os.makedirs(directory, exist_ok=True)
@@ -224,7 +235,7 @@ def write_consolidated(path: Any, output: Any) -> None:
         for key, tensor in reader.read_tensors(files, scratch_tensor):
             _set(saved, reader.path_of(key), tensor)
         # as every one-file checkpoint of lightning_trn: the train loaders' resume positions under their own key, so
-        # a CPU/GPU run (plain, stateless DataLoaders) accepts the file (`lightning_trn.core.checkpoint_io`)
+        # a CPU/GPU run (plain, stateless DataLoaders) accepts the file (`lightning_trn.core.checkpoint_file`)
         atomic_local_save(stash_loader_states(_one_file_format(saved, reader.lightning_meta())), output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -237,7 +248,7 @@ def model_tensors(reader: DistributedCheckpointReader, prefix: str = "") -> Iter
         path = reader.path_of(key)
         if path[0] in ("state_dict", "model") and len(path) == 2:
             name = str(path[1])
-            yield key, name[len(prefix):] if prefix and name.startswith(prefix) else name
+            yield key, name[len(prefix) :] if prefix and name.startswith(prefix) else name
 
 
 def write_safetensors(path: Any, output: Any, prefix: str = "") -> int:
@@ -255,8 +266,11 @@ def write_safetensors(path: Any, output: Any, prefix: str = "") -> int:
         if md.properties.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: safetensors has no dtype for {md.properties.dtype}.")
         nbytes = _nbytes(md)
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[md.properties.dtype], "shape": list(md.size),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[md.properties.dtype],
+            "shape": list(md.size),
+            "data_offsets": [offset, offset + nbytes],
+        }
         order.append(key)
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -266,7 +280,8 @@ def write_safetensors(path: Any, output: Any, prefix: str = "") -> int:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for _, tensor in reader.read_tensors(order):
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy())
+            # an ndarray is a buffer (written without a copy); numpy's stubs do not declare `__buffer__`
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # see above
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, output)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from packaging.version import Version
@@ -56,8 +56,10 @@ def supported() -> bool:
         return False
     from torch.distributed.tensor import _random
 
-    return all(hasattr(_random, name) for name in
-               ("_rng_tracker", "_RNGStateTracker", "_calc_shard_info", "_calc_shard_linear_idx"))
+    return all(
+        hasattr(_random, name)
+        for name in ("_rng_tracker", "_RNGStateTracker", "_calc_shard_info", "_calc_shard_linear_idx")
+    )
 
 
 def _digest(*parts: bytes) -> int:
@@ -71,8 +73,11 @@ def shard_index(spec: Any) -> int:
 
     mesh = spec.mesh
     coordinate = mesh.get_coordinate()
-    shard_by_dim, shards_by_dim = _random._calc_shard_info(coordinate, spec)
-    return int(_random._calc_shard_linear_idx(shard_by_dim, shards_by_dim))
+    # torch 2.13's helpers (`supported()` checks them); mypy runs on torch 2.9, which lacks them
+    info = _random._calc_shard_info  # type: ignore[attr-defined]  # torch 2.13 only
+    linear_index = _random._calc_shard_linear_idx  # type: ignore[attr-defined]  # torch 2.13 only
+    shard_by_dim, shards_by_dim = info(coordinate, spec)
+    return int(linear_index(shard_by_dim, shards_by_dim))
 
 
 def _tracker_base() -> type:
@@ -83,10 +88,10 @@ def _tracker_base() -> type:
     return _random._RNGStateTracker
 
 
-def neuron_rng_tracker(device_type: str, previous: Optional[Any]) -> Any:
+def neuron_rng_tracker(device_type: str, previous: Any | None) -> Any:
     """A `NeuronRNGTracker` for `device_type` meshes; `previous`, the tracker in place before, serves the others."""
 
-    class NeuronRNGTracker(_tracker_base()):  # type: ignore[misc]
+    class NeuronRNGTracker(_tracker_base()):  # type: ignore[misc]  # torch's private base, found at run time
         """torch's `_RNGStateTracker` interface with the rule of `lightning_trn.core.dtensor_random`."""
 
         def __init__(self) -> None:
@@ -94,10 +99,13 @@ def neuron_rng_tracker(device_type: str, previous: Optional[Any]) -> Any:
             self.previous = previous
 
         @contextlib.contextmanager
-        def _distribute_region(self, spec: Any, generator: Optional[torch.Generator] = None) -> Iterator[None]:
+        def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
             if spec.mesh.device_type != device_type:
-                region = (self.previous._distribute_region(spec, generator) if self.previous is not None
-                          else contextlib.nullcontext())
+                region = (
+                    self.previous._distribute_region(spec, generator)
+                    if self.previous is not None
+                    else contextlib.nullcontext()
+                )
                 with region:
                     yield
                 return
@@ -117,7 +125,7 @@ def neuron_rng_tracker(device_type: str, previous: Optional[Any]) -> Any:
     return NeuronRNGTracker()
 
 
-def tracker_for_neuron_run(previous: Optional[Any]) -> Optional[Any]:
+def tracker_for_neuron_run(previous: Any | None) -> Any | None:
     """The registry's hook (`lightning_trn.hooks.registry`): the tracker for a run on the native backend's device, or
     None (nothing replaced) on the XLA backend, which has no DTensors, or a torch this was not tested against."""
     from lightning_trn.runtime import get_runtime
@@ -148,9 +156,11 @@ def refuse_local_dropout(module: nn.Module, strategy: Any) -> None:
     """Under tensor parallelism, make each dropout module of `module` with `p > 0` refuse (one paragraph, at its
     first training call) a plain-tensor input: its mask would repeat on every tensor-parallel rank. DTensor inputs
     pass (the rule above gives each shard its own mask). Functional `F.dropout` calls are not seen."""
-    from lightning_trn.core.fsdp import FSDPCore
+    from lightning_trn.core.fsdp import FSDPSharding
 
-    if isinstance(strategy, FSDPCore):  # no tensor parallelism: its hybrid mesh names the shard dimension so
+    # an FSDP strategy (it holds its sharding) has no tensor parallelism, though its hybrid mesh calls the shard
+    # dimension "tensor_parallel"
+    if isinstance(getattr(strategy, "_fsdp", None), FSDPSharding):
         return
     if strategy.device_mesh["tensor_parallel"].size() <= 1:
         return

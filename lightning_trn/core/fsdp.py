@@ -15,11 +15,9 @@ How each FSDP1 sharding strategy is expressed with FSDP2:
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
-from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 
 #: FSDP1 sharding strategy -> (FSDP2's `reshard_after_forward`, whether the mesh is (replicate, shard))
@@ -31,13 +29,16 @@ SHARDING_STRATEGIES = {
     "_HYBRID_SHARD_ZERO2": (False, True),
 }
 #: FSDP1 keyword arguments accepted and ignored: FSDP2 behaves as they ask (original parameters, replicated states
-#: broadcast from the first rank at setup by `ModelParallelCore`, prefetching by default)
-IGNORED_KWARGS = ("use_orig_params", "sync_module_states", "limit_all_gathers", "forward_prefetch",
-                  "backward_prefetch")
+#: broadcast from the first rank at setup by the strategy, prefetching by default)
+IGNORED_KWARGS = ("use_orig_params", "sync_module_states", "limit_all_gathers", "forward_prefetch", "backward_prefetch")
 #: what a Lightning `FSDPStrategy` object holds, by our argument's name
-_LIGHTNING_ATTRIBUTES = {"cpu_offload": "cpu_offload", "mixed_precision": "mixed_precision",
-                         "state_dict_type": "_state_dict_type", "process_group_backend": "_process_group_backend",
-                         "timeout": "_timeout"}
+_LIGHTNING_ATTRIBUTES = {
+    "cpu_offload": "cpu_offload",
+    "mixed_precision": "mixed_precision",
+    "state_dict_type": "_state_dict_type",
+    "process_group_backend": "_process_group_backend",
+    "timeout": "_timeout",
+}
 
 
 def sharding_layout(sharding_strategy: Any) -> tuple[bool, bool]:
@@ -108,7 +109,7 @@ def mixed_precision_policy(mixed_precision: Any) -> Any:
     return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype)
 
 
-def reduction_policy(mp_policy: Optional[Any], precision: str) -> Optional[Any]:
+def reduction_policy(mp_policy: Any | None, precision: str | None) -> Any | None:
     """The `MixedPrecisionPolicy` to shard with: the user's, or under `bf16-true` without one, gradients
     reduce-scattered in fp32 (FSDP2 would reduce in the parameters' bf16: a 64-way bf16 sum is off by about 1e-2
     relative, against the single bf16 rounding of the fp32 sum's result, as TorchTitan's `reduce_dtype=float32`)."""
@@ -119,7 +120,7 @@ def reduction_policy(mp_policy: Optional[Any], precision: str) -> Optional[Any]:
     return MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
 
-def offload_policy(cpu_offload: Union[bool, Any, None]) -> Any:
+def offload_policy(cpu_offload: bool | Any | None) -> Any:
     """FSDP2's `CPUOffloadPolicy` for FSDP1's `cpu_offload` (True or `CPUOffload(offload_params=True)`), or None."""
     if not getattr(cpu_offload, "offload_params", cpu_offload):
         return None
@@ -129,8 +130,13 @@ def offload_policy(cpu_offload: Union[bool, Any, None]) -> Any:
 
 
 def shard_by_policy(
-    module: Module, mesh: Any, policy: Any, reshard_after_forward: bool, mp_policy: Optional[Any] = None,
-    offload: Optional[Any] = None, forward_methods: tuple[str, ...] = (),
+    module: Module,
+    mesh: Any,
+    policy: Any,
+    reshard_after_forward: bool,
+    mp_policy: Any | None = None,
+    offload: Any | None = None,
+    forward_methods: tuple[str, ...] = (),
 ) -> None:
     """`fully_shard` the submodules `policy` selects (innermost first), then `module` itself; `forward_methods` of
     the root run FSDP's forward hooks too (Lightning calls `training_step`, not `forward`). Does nothing to a module
@@ -157,80 +163,66 @@ def shard_by_policy(
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPCore:
-    """Mixed into a `NeuronModelParallelStrategy` (the Trainer's or Fabric's): Lightning's `FSDPStrategy` arguments,
-    the mesh of the sharding strategy, and `_shard`, which applies them to a module.
+class FSDPSharding:
+    """Lightning's `FSDPStrategy` arguments as FSDP2 applies them, held by the Trainer's and Fabric's
+    `NeuronFSDPStrategy` (`_fsdp`): the mesh of the sharding strategy, and `shard`, which applies them to a module.
 
     Args:
         auto_wrap_policy: the submodules sharded as units of their own (a set of classes, a `ModuleWrapPolicy`, or
             FSDP1's callable); the rest belongs to the root module's unit.
-        activation_checkpointing_policy: the submodules whose activations are recomputed (as Lightning's).
         sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or _HYBRID_SHARD_ZERO2.
-        state_dict_type: "sharded" (default): torch.distributed.checkpoint directories, each rank writing its
-            shards; "full": one file of CPU tensors assembled on rank 0.
         cpu_offload: keep the sharded parameters and the optimizer step on the host (FSDP2's `CPUOffloadPolicy`).
         mixed_precision: FSDP1's `MixedPrecision`: its parameter and reduction dtypes become FSDP2's
             `MixedPrecisionPolicy`. Without it, `precision="bf16-true"` reduces gradients in fp32.
         device_mesh: for the hybrid strategies, `(replicas, shards)`; by default (nodes, devices per node).
-        process_group_backend: `torch.distributed` backend of the default group (`neuron`).
-        timeout: timeout of the process groups.
         **kwargs: FSDP1 options without an FSDP2 counterpart are refused; `use_orig_params` and the prefetch and
             sync options are accepted and have FSDP2's behaviour.
     """
 
-    strategy_name = "neuron_fsdp"
-    strategy_description = "FSDP (served by FSDP2) over NeuronCores, native backend (lightning_trn)"
-
     def __init__(
         self,
-        *args: Any,
-        auto_wrap_policy: Optional[Any] = None,
-        activation_checkpointing_policy: Optional[Any] = None,
+        auto_wrap_policy: Any | None = None,
         sharding_strategy: Any = "FULL_SHARD",
-        state_dict_type: str = "sharded",
         cpu_offload: Any = None,
         mixed_precision: Any = None,
-        device_mesh: Optional[tuple[int, int]] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: timedelta = default_pg_timeout,
+        device_mesh: tuple[int, int] | None = None,
         **kwargs: Any,
     ) -> None:
         check_kwargs(kwargs)
-        self._reshard_after_forward, self._replicate_and_shard = sharding_layout(sharding_strategy)
-        self._sharding_name = str(getattr(sharding_strategy, "name", sharding_strategy)).upper()
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type={state_dict_type!r}: use 'sharded' or 'full'.")
+        self.reshard_after_forward, self.replicate_and_shard = sharding_layout(sharding_strategy)
+        self.sharding_name = str(getattr(sharding_strategy, "name", sharding_strategy)).upper()
         if device_mesh is not None and not isinstance(device_mesh, tuple):
             raise ValueError("device_mesh: pass the hybrid mesh's shape, `(replicas, shards)`; the strategy builds it.")
-        super().__init__(*args, save_distributed_checkpoint=state_dict_type == "sharded",  # type: ignore[call-arg]
-                         process_group_backend=process_group_backend, timeout=timeout)
-        self._activation_checkpointing_policy = activation_checkpointing_policy
-        self._auto_wrap_policy = auto_wrap_policy
-        self._mp_policy = mixed_precision_policy(mixed_precision)
-        self._offload = offload_policy(cpu_offload)
-        self._mesh_shape = device_mesh
+        self.auto_wrap_policy = auto_wrap_policy
+        self.mp_policy = mixed_precision_policy(mixed_precision)
+        self.offload = offload_policy(cpu_offload)
+        self.mesh_shape = device_mesh
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank is data-parallel (with a hybrid mesh too)."""
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore
+    @staticmethod
+    def saves_distributed_checkpoint(state_dict_type: str) -> bool:
+        """FSDP's `state_dict_type`: "sharded" (torch.distributed.checkpoint directories, each rank writing its
+        shards) or "full" (one file of CPU tensors assembled on rank 0)."""
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type={state_dict_type!r}: use 'sharded' or 'full'.")
+        return state_dict_type == "sharded"
 
-    def _check_mesh_sizes(self) -> None:
-        """The mesh of the sharding strategy: all processes in one dimension, or (replicas, shards)."""
-        processes = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
-        shape = (processes, 1)
-        if self._replicate_and_shard and self._sharding_name != "NO_SHARD":
-            shape = self._mesh_shape or (self.num_nodes, self.num_processes)  # type: ignore[attr-defined]
-        self._data_parallel_size, self._tensor_parallel_size = shape
-        super()._check_mesh_sizes()  # type: ignore[misc]
+    def mesh_sizes(self, num_nodes: int, num_processes: int) -> tuple[int, int]:
+        """The (data-parallel, tensor-parallel) sizes of the sharding strategy's mesh: all processes in one
+        dimension, or (replicas, shards)."""
+        if self.replicate_and_shard and self.sharding_name != "NO_SHARD":
+            return self.mesh_shape or (num_nodes, num_processes)
+        return num_nodes * num_processes, 1
 
-    def _shard(self, module: Module) -> Module:
-        """Activation checkpointing by policy, then `fully_shard` by `auto_wrap_policy` and on `module` itself (with
-        `bf16-true` and no `mixed_precision`, gradients reduced in fp32: `reduction_policy`)."""
-        self._apply_activation_checkpointing(module)  # type: ignore[attr-defined]
-        mesh = self.device_mesh  # type: ignore[attr-defined]
-        precision = getattr(self._neuron_precision(), "precision", None)  # type: ignore[attr-defined]
-        shard_by_policy(module, mesh if self._replicate_and_shard else mesh["data_parallel"], self._auto_wrap_policy,
-                        self._reshard_after_forward, reduction_policy(self._mp_policy, precision), self._offload,
-                        forward_methods=STEP_METHODS)
+    def shard(self, module: Module, mesh: Any, precision: str | None) -> Module:
+        """`fully_shard` by `auto_wrap_policy` and on `module` itself, on the strategy's mesh (with `bf16-true` and no
+        `mixed_precision`, gradients reduced in fp32: `reduction_policy`)."""
+        shard_by_policy(
+            module,
+            mesh if self.replicate_and_shard else mesh["data_parallel"],
+            self.auto_wrap_policy,
+            self.reshard_after_forward,
+            reduction_policy(self.mp_policy, precision),
+            self.offload,
+            forward_methods=STEP_METHODS,
+        )
         return module

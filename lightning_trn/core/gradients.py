@@ -9,7 +9,7 @@ coefficient: the norm and the clipping of one unsharded model.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,8 +26,8 @@ def _layout(tensor: Tensor) -> Any:
 
 def clip_grad_norm_(
     parameters: Iterable[Tensor],
-    max_norm: Union[float, int],
-    norm_type: Union[float, int] = 2.0,
+    max_norm: float | int,
+    norm_type: float | int = 2.0,
     error_if_nonfinite: bool = False,
 ) -> Tensor:
     """`torch.nn.utils.clip_grad_norm_` that also takes gradients of mixed layouts; returns the total norm (a plain
@@ -35,7 +35,8 @@ def clip_grad_norm_(
     parameters = [p for p in parameters if p.grad is not None]
     groups: dict[Any, list[Tensor]] = {}
     for parameter in parameters:
-        groups.setdefault(_layout(parameter.grad), []).append(parameter.grad)  # type: ignore[arg-type]
+        grad = parameter.grad
+        groups.setdefault(_layout(grad), []).append(grad)  # type: ignore[arg-type]  # not None: filtered above
     if len(groups) <= 1:
         total = torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
         return total.full_tensor() if hasattr(total, "full_tensor") else total

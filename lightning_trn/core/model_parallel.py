@@ -1,5 +1,5 @@
-"""`ModelParallelCore`: models sharded over NeuronCores, shared by the Trainer's and Fabric's
-`NeuronModelParallelStrategy`.
+"""Models sharded over NeuronCores: what the Trainer's and Fabric's `NeuronModelParallelStrategy` share (the mesh
+check, meta-device materialization, seed checkpoints, replicated tensors made equal).
 
 The strategies extend Lightning's own `ModelParallelStrategy` (FSDP2 `fully_shard` and DTensor tensor parallelism on
 a 2-D device mesh, torch.distributed.checkpoint directories): the mesh is built on the `neuron` devices, one per
@@ -10,10 +10,10 @@ process, the default group is the runtime's `neuron` backend and host objects go
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
@@ -22,8 +22,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_trn.core.process_group import ProcessGroupCore
-from lightning_trn.runtime import DeviceRuntime, get_runtime
+from lightning_trn.runtime import DeviceRuntime
 
 #: the arguments of Lightning's `ModelParallelStrategy` (Trainer and Fabric) and the attributes that hold them
 _LIGHTNING_ARGUMENTS = {
@@ -69,7 +68,7 @@ def local_block(shape: torch.Size, like: Tensor) -> tuple[slice, ...]:
     if not isinstance(like, DTensor):
         return tuple(slice(0, size) for size in shape)
     local_shape, offset = compute_local_shape_and_global_offset(shape, like.device_mesh, like.placements)
-    return tuple(slice(start, start + size) for size, start in zip(local_shape, offset))
+    return tuple(slice(start, start + size) for size, start in zip(local_shape, offset, strict=True))
 
 
 def _local_part(full: Tensor, like: Tensor) -> Tensor:
@@ -87,8 +86,15 @@ InitStep = tuple[Module, Callable[[Module], None]]
 
 
 def _own_tensors(submodule: Module) -> dict[str, Tensor]:
-    return {name: tensor for name, tensor in {**submodule._parameters, **submodule._buffers}.items()
-            if tensor is not None}
+    return {
+        name: tensor for name, tensor in {**submodule._parameters, **submodule._buffers}.items() if tensor is not None
+    }
+
+
+def _set_own_tensor(submodule: Module, name: str, tensor: Tensor) -> None:
+    """Put `tensor` in `submodule`'s own parameter or buffer slot `name`, past `Module.__setattr__`'s checks."""
+    slots = submodule._parameters if name in submodule._parameters else submodule._buffers
+    slots[name] = tensor  # type: ignore[assignment]  # `_parameters` holds Parameters: callers give a parameter one
 
 
 def _reset_parameters_steps(module: Module, done: set[Module]) -> tuple[list[InitStep], set[str]]:
@@ -100,7 +106,8 @@ def _reset_parameters_steps(module: Module, done: set[Module]) -> tuple[list[Ini
         if submodule in done or not _own_tensors(submodule):
             continue
         if callable(getattr(submodule, "reset_parameters", None)):
-            steps.append((submodule, lambda sub: sub.reset_parameters()))
+            # `Module.__getattr__` types an undeclared attribute as a Tensor or Module; this one is a method
+            steps.append((submodule, lambda sub: sub.reset_parameters()))  # type: ignore[operator]  # see above
         else:
             missing.add(type(submodule).__name__)
     return steps, missing
@@ -121,7 +128,7 @@ def _run_on_host(submodule: Module, init: Callable[[Module], None]) -> dict[str,
         return {name: tensor.detach() for name, tensor in _own_tensors(submodule).items()}
     finally:
         for name, tensor in own.items():
-            (submodule._parameters if name in submodule._parameters else submodule._buffers)[name] = tensor
+            _set_own_tensor(submodule, name, tensor)
 
 
 #: a host-built module's values by submodule and name, taken by `host_values_to_meta` for `materialize`
@@ -147,8 +154,10 @@ def empty_meta_tensors(module: Module, device: torch.device) -> None:
 
 
 def materialize(
-    module: Module, device: torch.device, seed_checkpoint: Optional[_PATH] = None,
-    host_values: Optional[HostValues] = None,
+    module: Module,
+    device: torch.device,
+    seed_checkpoint: _PATH | None = None,
+    host_values: HostValues | None = None,
 ) -> None:
     """Give a module built on the meta device (`init_module(empty_init=True)`) and then sharded its values on the
     device: each submodule's `reset_parameters()` runs on full-size CPU tensors, from the CPU generator that every rank
@@ -206,7 +215,7 @@ def host_values_to_meta(module: Module) -> HostValues:
                 meta = torch.empty_like(tensor, device="meta")
                 is_parameter = isinstance(tensor, torch.nn.Parameter)
                 on_meta[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if is_parameter else meta
-            (submodule._parameters if name in submodule._parameters else submodule._buffers)[name] = on_meta[id(tensor)]
+            _set_own_tensor(submodule, name, on_meta[id(tensor)])
     return values
 
 
@@ -290,51 +299,16 @@ def broadcast_replicated(module: Module, device: torch.device) -> None:
                     dist.broadcast(local, group=tensor.device_mesh.get_group(dim), group_src=0)
 
 
-class ModelParallelCore(ProcessGroupCore):
-    """Mixed into a Neuron strategy before Lightning's `ModelParallelStrategy` (the Trainer's or Fabric's): the
-    process groups are lightning_trn's, the device mesh and everything sharded are Lightning's, on `neuron` devices.
-
-    Raises:
-        ValueError: on a backend that cannot shard models (XLA), at construction.
-    """
-
-    strategy_name = "neuron_model_parallel"
-    strategy_description = "FSDP2 and tensor parallel over NeuronCores, native backend (lightning_trn)"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        check_shards_models(get_runtime(), type(self).__name__)
-        super().__init__(*args, **kwargs)
-
-    def _saves_sharded(self) -> bool:
-        return self._save_distributed_checkpoint  # type: ignore[attr-defined]
-
-    def _broadcast_replicated(self, module: Module) -> None:
-        """`broadcast_replicated` over this run's ranks: what FSDP1's `sync_module_states=True` asked for, always."""
-        if self.world_size > 1:  # type: ignore[attr-defined]
-            broadcast_replicated(module, self.root_device)  # type: ignore[attr-defined]
-
-    def _configure_launcher(self) -> None:
-        """Called once the devices and nodes are known (at `Trainer(...)` / `Fabric(...)`): check the mesh fits."""
-        self._check_mesh_sizes()
-        super()._configure_launcher()  # type: ignore[misc]
-
-    def _check_mesh_sizes(self) -> None:
-        data = self._data_parallel_size  # type: ignore[attr-defined]
-        tensor = self._tensor_parallel_size  # type: ignore[attr-defined]
-        sizes = (self.num_nodes if data == "auto" else data) * (self.num_processes if tensor == "auto" else tensor)
-        processes = self.num_nodes * self.num_processes
-        if sizes != processes:
-            raise ValueError(
-                f"{type(self).__name__}(data_parallel_size={data!r}, tensor_parallel_size={tensor!r}) needs {sizes} "
-                f"processes, the run has {processes} (devices={self.num_processes} x num_nodes={self.num_nodes}). "
-                "Choose sizes whose product is devices x num_nodes; tensor parallelism is fastest within a node, "
-                "e.g. tensor_parallel_size=devices and data_parallel_size=num_nodes (the defaults, 'auto')."
-            )
-
-    def setup_environment(self) -> None:
-        """Claim this process's NeuronCore and join the process group before Lightning's setup (the device, then the
-        process group again, already joined, and the mesh): TorchNeuron refuses a `neuron` process group once a
-        device tensor exists, and the accelerator's setup runs a probe on the device."""
-        self._claim_device()
-        self._setup_distributed()
-        super().setup_environment()  # type: ignore[misc]
+def check_mesh_sizes(strategy: Any, data: Any, tensor: Any) -> None:
+    """Check, once the devices and nodes are known (at `Trainer(...)` / `Fabric(...)`), that a (data-parallel x
+    tensor-parallel) mesh, each size a number or "auto", covers the run's processes exactly."""
+    num_nodes, num_processes = strategy.num_nodes, strategy.num_processes
+    sizes = (num_nodes if data == "auto" else data) * (num_processes if tensor == "auto" else tensor)
+    processes = num_nodes * num_processes
+    if sizes != processes:
+        raise ValueError(
+            f"{type(strategy).__name__}(data_parallel_size={data!r}, tensor_parallel_size={tensor!r}) needs {sizes} "
+            f"processes, the run has {processes} (devices={num_processes} x num_nodes={num_nodes}). "
+            "Choose sizes whose product is devices x num_nodes; tensor parallelism is fastest within a node, "
+            "e.g. tensor_parallel_size=devices and data_parallel_size=num_nodes (the defaults, 'auto')."
+        )

@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Optional
+from typing import Any, cast
 
 import torch
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities import apply_to_collection
@@ -81,7 +82,7 @@ class NeuronPrecisionCore:
         *,
         master_weights: bool = False,
         stochastic_rounding: bool = True,
-        seed: Optional[int] = None,
+        seed: int | None = None,
     ) -> None:
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
@@ -91,7 +92,9 @@ class NeuronPrecisionCore:
         super().__init__()
         if master_weights and precision != "bf16-true":
             raise ValueError(f"`master_weights=True` applies to precision='bf16-true' only, got {precision!r}.")
-        self.precision = precision
+        # typed as Lightning's precision plugins, which this class is mixed into, declare it; one of
+        # SUPPORTED_PRECISION (checked above)
+        self.precision = cast(_PRECISION_INPUT_STR, precision)
         self.master_weights = master_weights
         self.stochastic_rounding = stochastic_rounding and precision == "bf16-true"
         self.seed = seed
@@ -113,7 +116,7 @@ class NeuronPrecisionCore:
         return torch.float32 if self.precision == "32-true" else torch.bfloat16
 
     @property
-    def software_optimizer_step(self) -> Optional[Bf16OptimizerStep]:
+    def software_optimizer_step(self) -> Bf16OptimizerStep | None:
         """The fp32 optimizer step used for bf16 parameters (software rounding or master weights), if any."""
         return self._bf16_step
 

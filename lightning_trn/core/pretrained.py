@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,10 +31,14 @@ _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 _SHOWN = 5
 
 
-def meta_model_from_pretrained(path: Union[str, Path], **from_config_kwargs: Any) -> Module:
+def meta_model_from_pretrained(path: str | Path, **from_config_kwargs: Any) -> Module:
     """`AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))` built on the meta device (no memory,
     nothing drawn), for parallelizing and then `load_pretrained(model, path)`. Keyword arguments go to
     `from_config` (e.g. `attn_implementation="eager"`).
+
+    The parameters are in torch's default dtype (fp32), not the folder's `dtype` (bf16 for most published models),
+    which `from_config` would take: training keeps fp32 master weights and the precision plugin decides what
+    computes in bf16. Pass `dtype=` for another.
 
     Raises:
         ValueError: the folder's `model_type` is not one of `SUPPORTED_MODEL_TYPES`.
@@ -47,11 +52,11 @@ def meta_model_from_pretrained(path: Union[str, Path], **from_config_kwargs: Any
             f"models of the Llama layout: model_type {', '.join(SUPPORTED_MODEL_TYPES)}."
         )
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, **from_config_kwargs)
+        return AutoModelForCausalLM.from_config(config, **{"dtype": torch.get_default_dtype(), **from_config_kwargs})
 
 
 def load_pretrained(
-    module: Module, path: Union[str, Path], prefix: Optional[str] = None, device: Optional[torch.device] = None
+    module: Module, path: str | Path, prefix: str | None = None, device: torch.device | None = None
 ) -> Module:
     """Fill `module`'s parameters and persistent buffers, in place, from the `save_pretrained` folder `path`
     (`model.safetensors`, or shards listed in `model.safetensors.index.json`), each rank reading only its blocks.
@@ -61,6 +66,10 @@ def load_pretrained(
     Non-persistent buffers (the rotary `inv_freq`) are not in the files: the module's own values are kept; on the
     meta device they are computed on the host by the innermost Hugging Face model's `_init_weights` (or
     `reset_parameters`) and copied over.
+
+    Under a `FakeTensorMode` (a memory estimate: `python -m lightning_trn.estimate llm model.pretrained=DIR`) nothing
+    is read, as fake tensors hold no values: meta tensors get their (fake) storage as above, so a folder with only
+    `config.json` serves; the loaded values would add no device memory, being copied into storage that exists.
 
     Args:
         prefix: where the Hugging Face model sits in `module` (`"model."` for a LightningModule's `self.model`);
@@ -74,20 +83,18 @@ def load_pretrained(
     """
     from torch.distributed.tensor import DTensor
 
+    groups = _tensor_groups(module)
+    if _fake_mode_active():
+        _give_storage(module, groups, device)
+        return module
     files = _weight_files(Path(path))
     shapes = _file_shapes(files)
-    groups = _tensor_groups(module)
     names = {name for group in groups for name in group[0]}
     prefix = _find_prefix(names, set(shapes)) if prefix is None else prefix
     sources = _match(groups, shapes, prefix, path)
-    if any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()]):
-        unfilled = [sub for sub in module.modules() if any(
-            tensor.is_meta and name in sub._non_persistent_buffers_set for name, tensor in _own_tensors(sub).items())]
-        empty_meta_tensors(module, _device(module, device))
-        _retie(groups)
-        _initialize(module, unfilled)
+    _give_storage(module, groups, device)
     with torch.no_grad():
-        for (_, slots), key in zip(groups, sources):
+        for (_, slots), key in zip(groups, sources, strict=True):
             submodule, attribute = slots[0]
             tensor = _own_tensors(submodule)[attribute]
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -114,7 +121,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
         from safetensors import safe_open
 
         with safe_open(single, framework="pt") as handle:
-            return {key: single for key in handle.keys()}
+            return dict.fromkeys(handle.keys(), single)
     raise FileNotFoundError(
         f"{str(path)!r} has neither model.safetensors nor model.safetensors.index.json: save the model with "
         "`save_pretrained(path, safe_serialization=True)`."
@@ -128,7 +135,8 @@ def _file_shapes(files: dict[str, Path]) -> dict[str, list[int]]:
     shapes: dict[str, list[int]] = {}
     for file in sorted(set(files.values())):
         with safe_open(file, framework="pt") as handle:
-            shapes.update({key: handle.get_slice(key).get_shape() for key in handle.keys() if files.get(key) == file})
+            keys = handle.keys()  # a list: the handle itself is not iterable
+            shapes.update({key: handle.get_slice(key).get_shape() for key in keys if files.get(key) == file})
     return shapes
 
 
@@ -164,8 +172,12 @@ def _tensor_groups(module: Module) -> list[_Group]:
 
 def _find_prefix(names: set[str], keys: set[str]) -> str:
     """The prefix `p` for which most file keys `k` are module names `p + k`: where the Hugging Face model sits."""
-    counts = Counter(name[: len(name) - len(key)] for key in keys for name in names
-                     if name.endswith(key) and (len(name) == len(key) or name[len(name) - len(key) - 1] == "."))
+    counts = Counter(
+        name[: len(name) - len(key)]
+        for key in keys
+        for name in names
+        if name.endswith(key) and (len(name) == len(key) or name[len(name) - len(key) - 1] == ".")
+    )
     return max(counts, key=lambda prefix: (counts[prefix], -len(prefix))) if counts else ""
 
 
@@ -182,7 +194,7 @@ def _match(groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path
     sources: list[str] = []
     missing, mismatched, used = [], [], set()
     for names, slots in groups:
-        keys = [name[len(prefix):] for name in names if name.startswith(prefix) and name[len(prefix):] in shapes]
+        keys = [name[len(prefix) :] for name in names if name.startswith(prefix) and name[len(prefix) :] in shapes]
         used.update(keys)
         if not keys:
             missing.append(names[0])
@@ -192,9 +204,15 @@ def _match(groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path
             mismatched.append(f"{keys[0]} {list(shapes[keys[0]])} vs {list(tensor.shape)}")
         sources.append(keys[0])
     unexpected = sorted(set(shapes) - used)
-    problems = [f"{what} ({len(items)}): {_listed(items)}" for what, items in (
-        ("missing from the files", missing), ("in the files but not in the module", unexpected),
-        ("shape in the files vs the module", mismatched)) if items]
+    problems = [
+        f"{what} ({len(items)}): {_listed(items)}"
+        for what, items in (
+            ("missing from the files", missing),
+            ("in the files but not in the module", unexpected),
+            ("shape in the files vs the module", mismatched),
+        )
+        if items
+    ]
     if problems:
         raise ValueError(
             f"The weights in {str(path)!r} do not fit the module (module names taken as {prefix!r} + the files' "
@@ -204,7 +222,7 @@ def _match(groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path
     return sources
 
 
-def _device(module: Module, device: Optional[torch.device]) -> torch.device:
+def _device(module: Module, device: torch.device | None) -> torch.device:
     if device is not None:
         return torch.device(device)
     trainer = getattr(module, "_trainer", None)
@@ -216,13 +234,35 @@ def _device(module: Module, device: Optional[torch.device]) -> torch.device:
     )
 
 
+def _fake_mode_active() -> bool:
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
+
+
+def _give_storage(module: Module, groups: list[_Group], device: torch.device | None) -> None:
+    """Storage on the device for the module's meta tensors, tied ones tied again, and the meta-born non-persistent
+    buffers computed (`_initialize`); nothing when no tensor is on the meta device."""
+    if not any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()]):
+        return
+    unfilled = [
+        sub
+        for sub in module.modules()
+        if any(tensor.is_meta and name in sub._non_persistent_buffers_set for name, tensor in _own_tensors(sub).items())
+    ]
+    empty_meta_tensors(module, _device(module, device))
+    _retie(groups)
+    _initialize(module, unfilled)
+
+
 def _retie(groups: list[_Group]) -> None:
     """Put a tied group's first tensor back into all its slots: giving meta tensors storage replaces each slot's
     tensor on its own, which would untie them."""
     for _, slots in groups:
         first = _own_tensors(slots[0][0])[slots[0][1]]
         for submodule, attribute in slots[1:]:
-            (submodule._parameters if attribute in submodule._parameters else submodule._buffers)[attribute] = first
+            slots_of = submodule._parameters if attribute in submodule._parameters else submodule._buffers
+            slots_of[attribute] = first  # type: ignore[assignment]  # a Parameter in _parameters, a buffer in _buffers
 
 
 def _initialize(module: Module, submodules: list[Module]) -> None:
@@ -233,7 +273,7 @@ def _initialize(module: Module, submodules: list[Module]) -> None:
     for owner in module.modules():
         init = getattr(owner, "_init_weights", None)
         if callable(init) and hasattr(owner, "config"):
-            inits.update({sub: init for sub in owner.modules()})  # inner models come later and win
+            inits.update(dict.fromkeys(owner.modules(), init))  # inner models come later and win
     for submodule in submodules:
         init = inits.get(submodule)
         if init is None and callable(getattr(submodule, "reset_parameters", None)):

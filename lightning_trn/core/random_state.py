@@ -19,7 +19,7 @@ Everything is stored as CPU tensors and plain Python values, so `torch.load(...,
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
@@ -37,9 +37,13 @@ def host_states() -> dict[str, Any]:
     states = _collect_rng_states(include_cuda=False)
     if "numpy" in states:
         kind, keys, position, has_gauss, cached_gaussian = states["numpy"]
-        states["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
-                           "position": int(position), "has_gauss": int(has_gauss),
-                           "cached_gaussian": float(cached_gaussian)}
+        states["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        }
     return states
 
 
@@ -48,8 +52,13 @@ def set_host_states(states: dict[str, Any]) -> None:
     states = dict(states)
     if "numpy" in states:
         saved = states["numpy"]
-        states["numpy"] = (saved["kind"], saved["keys"].numpy().astype("uint32"), saved["position"],
-                           saved["has_gauss"], saved["cached_gaussian"])
+        states["numpy"] = (
+            saved["kind"],
+            saved["keys"].numpy().astype("uint32"),
+            saved["position"],
+            saved["has_gauss"],
+            saved["cached_gaussian"],
+        )
     _set_rng_states(states)
 
 
@@ -75,7 +84,7 @@ def set_generator_states(generators: list[torch.Generator], states: list[torch.T
     """Restore `states` into `generators`; False (nothing changed) when they do not pair up one to one."""
     if len(generators) != len(states):
         return False
-    for generator, state in zip(generators, states):
+    for generator, state in zip(generators, states, strict=True):
         generator.set_state(state)
     return True
 
@@ -85,12 +94,12 @@ def step_seed(base: int, batch_index: int) -> int:
     return (base + (batch_index + 1) * _GOLDEN) & _MASK_63
 
 
-def base_device_seed(global_seed: Optional[str]) -> int:
+def base_device_seed(global_seed: str | None) -> int:
     """The run's base device seed: `seed_everything`'s (`PL_GLOBAL_SEED`), else the CPU generator's initial seed."""
     return int(global_seed) if global_seed is not None else torch.initial_seed()
 
 
-def rank_entry(saved: Any, rank: int, world_size: int) -> tuple[Optional[dict[str, Any]], str]:
+def rank_entry(saved: Any, rank: int, world_size: int) -> tuple[dict[str, Any] | None, str]:
     """This rank's entry of a checkpoint's `RANDOM_STATE_KEY` value, or None with the reason it cannot be used."""
     if saved is None:
         return None, (

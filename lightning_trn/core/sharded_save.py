@@ -31,13 +31,12 @@ import ctypes
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable
 
 from lightning.fabric.utilities.types import _PATH
 
-from lightning_trn.core.checkpoint_io import _fsync_directory
+from lightning_trn.core.checkpoint_file import fsync_directory
 
 STAGING_SUFFIX = ".partial"
 ASIDE_SUFFIX = ".old"
@@ -106,7 +105,7 @@ def _fsync_tree(directory: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_directory(root)
+        fsync_directory(root)
 
 
 def recover(path: _PATH) -> None:
@@ -123,7 +122,7 @@ def recover(path: _PATH) -> None:
             _discard(aside)
         else:
             os.rename(aside, path)
-            _fsync_directory(os.path.dirname(path))
+            fsync_directory(os.path.dirname(path))
     _discard(_sibling(path, _REMOVING_SUFFIX))
 
 
@@ -135,16 +134,16 @@ def recover_all(directory: _PATH) -> None:
     for entry in os.listdir(directory):
         for suffix in (ASIDE_SUFFIX, _REMOVING_SUFFIX):
             if entry.startswith(".") and entry.endswith(suffix):
-                recover(os.path.join(directory, entry[1:-len(suffix)]))
+                recover(os.path.join(directory, entry[1 : -len(suffix)]))
 
 
 def _commit(staging: str, path: str) -> None:
     """Make the complete `staging` directory `path` (rank 0): see the module docstring, step 3."""
-    _fsync_directory(staging)
+    fsync_directory(staging)
     parent = os.path.dirname(path)
     if not os.path.lexists(path):
         os.rename(staging, path)
-        _fsync_directory(parent)
+        fsync_directory(parent)
         return
     if os.path.isdir(path) and _exchange(staging, path):
         previous = staging
@@ -152,7 +151,7 @@ def _commit(staging: str, path: str) -> None:
         previous = _sibling(path, ASIDE_SUFFIX)
         os.rename(path, previous)
         os.rename(staging, path)
-    _fsync_directory(parent)
+    fsync_directory(parent)
     _discard(previous)
 
 
@@ -192,7 +191,6 @@ def remove(path: _PATH) -> None:
         removing = _sibling(path, _REMOVING_SUFFIX)
         _discard(removing)
         os.rename(path, removing)
-        _fsync_directory(os.path.dirname(path))
+        fsync_directory(os.path.dirname(path))
         path = removing
     _discard(path)
-

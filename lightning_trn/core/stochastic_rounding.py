@@ -10,7 +10,7 @@ those machines behaves like training on Neuron.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,7 +47,7 @@ def stochastic_round_to_bf16(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
 
 
-def _cast_state(state: Optional[dict[str, Any]], dtype: torch.dtype, stochastic: bool) -> None:
+def _cast_state(state: dict[str, Any] | None, dtype: torch.dtype, stochastic: bool) -> None:
     """Cast an optimizer's per-parameter state to `dtype` with torch's own rule: floating tensors follow the
     parameter's dtype, except the `step` counter."""
     if not state:
@@ -85,14 +85,14 @@ class Bf16OptimizerStep:
             if p.grad is not None and p.dtype == torch.bfloat16
         ]
         grads = [p.grad for p in params]
-        for p, grad in zip(params, grads):
+        for p, grad in zip(params, grads, strict=True):
             p.data = self._masters[p] if p in self._masters else p.data.float()
             p.grad = grad.float()
             _cast_state(optimizer.state.get(p), torch.float32, stochastic=False)
         try:
             return optimizer.step(**kwargs)
         finally:
-            for p, grad in zip(params, grads):
+            for p, grad in zip(params, grads, strict=True):
                 full = p.data
                 if self.master_weights:
                     self._masters[p] = full

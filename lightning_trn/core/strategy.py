@@ -1,4 +1,4 @@
-"""`NeuronStrategyCore`: the device logic every Neuron strategy shares, the Trainer's (`NeuronStrategyMixin`) and
+"""`NeuronStrategyCore`: the device logic every Neuron strategy shares, the Trainer's (`NeuronStrategyBase`) and
 Fabric's (`lightning_trn.fabric`) alike: the runtime, portable checkpoints with the run's random state, moving a
 module without untying its weights, and the device prefetcher."""
 
@@ -7,22 +7,36 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
+from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
+from lightning_trn.core.process_group import ProcessGroup, explain_failure
 from lightning_trn.core.random_state import (
-    RANDOM_STATE_VERSION, base_device_seed, host_states, not_exact_notice, rank_entry, set_host_states, step_seed,
+    RANDOM_STATE_VERSION,
+    base_device_seed,
+    host_states,
+    not_exact_notice,
+    rank_entry,
+    set_host_states,
+    step_seed,
 )
+from lightning_trn.core.scalars import place_scalars
 from lightning_trn.core.sharded_save import staged_directory
-from lightning_trn.hooks.metric_states import place_scalars
 from lightning_trn.runtime import DeviceRuntime, get_runtime
+from lightning_trn.runtime.collectives import Collectives
 
 #: how many of the latest batches from the device prefetchers `delivered` recognises (Lightning's fetcher reads one
 #: batch ahead, so the batch being transferred is the last or the second-to-last one delivered)
@@ -31,29 +45,83 @@ _RECENT_DELIVERIES = 4
 log = logging.getLogger(__name__)
 
 #: which submodules to checkpoint: a set of module classes, or a policy of torch's (`ModuleWrapPolicy`, a callable)
-CheckpointingPolicy = Union[set[type[Module]], Callable[..., bool], Any]
+CheckpointingPolicy = set[type[Module]] | Callable[..., bool] | Any
+
+if TYPE_CHECKING:
+
+    class _LightningStrategy:
+        """What `NeuronStrategyCore` reads from, and overrides in, the Lightning strategy class it is mixed in before
+        (the Trainer's or Fabric's; single-device or parallel): their common members, typed so that each of them is
+        compatible with it. Seen by the type checker only: at run time the core's base is `object`."""
+
+        accelerator: Any
+        cluster_environment: ClusterEnvironment | None
+        parallel_devices: list[torch.device] | None
+        # attributes of Lightning's single-device strategies, properties of its parallel ones
+        global_rank: int
+        local_rank: int
+        world_size: int
+
+        @property
+        def root_device(self) -> torch.device: ...
+        @property
+        def node_rank(self) -> int: ...
+        @property
+        def is_global_zero(self) -> bool: ...
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, Any]: ...
+        @classmethod
+        def register_strategies(cls, strategy_registry: Any) -> None: ...
+        def setup_environment(self) -> None: ...
+        def teardown(self) -> None: ...
+        def all_reduce(
+            self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+        ) -> Any: ...
+        def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor: ...
+        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
+        def barrier(self, name: str | None = None) -> None: ...
+        def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+        # members of Lightning's DDP, FSDP and model-parallel strategies, which the core serves from its process group
+        @property
+        def num_processes(self) -> int: ...
+        @property
+        def process_group_backend(self) -> str | None: ...
+        def set_world_ranks(self) -> None: ...
+        def _set_world_ranks(self) -> None: ...
+        def _setup_distributed(self) -> None: ...
+
+else:
+    _LightningStrategy = object
 
 
-class NeuronStrategyCore:
-    """Mixed into the Trainer's and Fabric's Neuron strategies, before Lightning's strategy class.
+class NeuronStrategyCore(_LightningStrategy):
+    """The base of the Trainer's and Fabric's Neuron strategy bases (`NeuronStrategyBase`, `NeuronFabricStrategyBase`),
+    before Lightning's strategy class. A multi-process strategy holds a `ProcessGroup` (`_process_group`): it serves
+    Lightning's parallel API (reductions, barriers, broadcasts, world ranks); a one-process strategy holds none and
+    keeps its Lightning class's own members.
 
     Args:
         activation_checkpointing_policy: checkpoint these submodules (e.g. `{Block}`), as Lightning's FSDPStrategy's
             argument of that name does (docs/memory.md).
+        process_group: the process groups of a multi-process strategy (None: one process).
     """
 
-    _checkpoint_io: Optional[CheckpointIO]
+    _checkpoint_io: CheckpointIO | None
     #: the name and description the strategy is registered under (the Trainer's and Fabric's registries alike)
     strategy_name: str
     strategy_description: str
 
     def __init__(
-        self, *args: Any, activation_checkpointing_policy: Optional[CheckpointingPolicy] = None, **kwargs: Any
+        self,
+        *args: Any,
+        activation_checkpointing_policy: CheckpointingPolicy | None = None,
+        process_group: ProcessGroup | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._activation_checkpointing_policy = activation_checkpointing_policy
-        #: the module the policy was applied to (once: the FSDP strategy applies it before sharding)
-        self._checkpointed: Optional[Module] = None
+        self._process_group = process_group
+        self._num_nodes = 1
         #: the latest batches this strategy's prefetchers handed out (already on the device)
         self._deliveries: deque = deque(maxlen=_RECENT_DELIVERIES)
         #: the run's base device seed; training batch i draws from `step_seed(_device_seed, i)`
@@ -65,23 +133,26 @@ class NeuronStrategyCore:
         return get_runtime()
 
     @property
+    @override
     def root_device(self) -> torch.device:
-        """This process's NeuronCore: `xla:0` on XLA (each process sees only its own), natively `neuron:<local rank>`.
-        """
+        """This process's NeuronCore: `xla:0` on XLA (each process sees only its own), natively
+        `neuron:<local rank>`."""
         return self.runtime.device()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description)
 
     @property
+    @override
     def checkpoint_io(self) -> CheckpointIO:
         if self._checkpoint_io is None:
             self._checkpoint_io = NeuronCheckpointIO()
         return self._checkpoint_io
 
     @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
 
     def _check_accelerator(self) -> None:
@@ -94,41 +165,180 @@ class NeuronStrategyCore:
                 f"found accelerator {type(accelerator).__name__}."
             )
 
+    @override
     def setup_environment(self) -> None:
+        """A multi-process strategy claims this process's NeuronCore and joins the process group first: TorchNeuron
+        refuses a `neuron` process group once a device tensor exists (the accelerator's setup runs a probe on it)."""
+        if self._process_group is not None:
+            self._claim_device()
+            self._setup_distributed()
         self._check_accelerator()
-        super().setup_environment()  # type: ignore[misc]
+        super().setup_environment()
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._process_group is not None:
+            self._process_group.env.restore()
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's connector for strategies it does not know: enables the DistributedSampler and
+        `self.log(..., sync_dist=True)` reduction."""
+        return self._process_group is not None
+
+    @property
+    @override
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def num_processes(self) -> int:
+        """Processes (NeuronCores) per node."""
+        if self._process_group is None:
+            return 1
+        devices = self.parallel_devices
+        return len(devices) if devices is not None else 0
+
+    @property
+    @override
+    def process_group_backend(self) -> str | None:
+        return None if self._process_group is None else self._process_group.backend
+
+    @property
+    def collectives(self) -> Collectives:
+        """The cross-process collectives, available once the process group is set up."""
+        if self._process_group is None:
+            raise RuntimeError(f"{type(self).__name__} runs one process: it has no collectives.")
+        return self._process_group.collectives
+
+    @override
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size (as Lightning's DDP does)."""
+        if self._process_group is None:
+            return
+        cluster = self.cluster_environment
+        if cluster is not None:
+            cluster.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            cluster.set_world_size(self.num_nodes * self.num_processes)
+        # Lightning keeps the rank as an attribute it sets on its `rank_zero_only` function
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # see above
+
+    @override
+    def _set_world_ranks(self) -> None:
+        """Fabric's connector calls `set_world_ranks` by this name."""
+        self.set_world_ranks()
+
+    def _claim_device(self) -> None:
+        """Claim this process's NeuronCore (the runtime's environment variables) before the device is first touched."""
+        assert self._process_group is not None and self.cluster_environment is not None
+        self.set_world_ranks()
+        self.runtime.configure_process(
+            global_rank=self.global_rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            local_world_size=self.num_processes,
+            main_address=self.cluster_environment.main_address,
+            env=self._process_group.env,
+        )
+
+    @override
+    def _setup_distributed(self) -> None:
+        """Join the process group (once; Lightning's `ModelParallelStrategy.setup_environment` calls it again)."""
+        assert self._process_group is not None
+        sizes = f"num_nodes={self.num_nodes} x devices={self.num_processes}"
+        self._process_group.join(self.cluster_environment, self.world_size, sizes)
+
+    @override
+    def all_reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min (a host tensor over the host group);
+        non-tensors are returned unchanged."""
+        if self._process_group is None:
+            return super().all_reduce(tensor, group, reduce_op)
+        return self._process_group.all_reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Every rank's `tensor`, stacked along a new first dimension (gradients do not flow back through it)."""
+        if self._process_group is None:
+            return super().all_gather(tensor, group, sync_grads)
+        return self._process_group.all_gather(tensor, group, sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Decided on the host group: no device tensor, so no device round trip (early stopping, checkpointing)."""
+        if self._process_group is None:
+            return super().reduce_boolean_decision(decision, all)
+        return self._process_group.reduce_boolean_decision(decision, self.world_size, all)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if self._process_group is None:
+            return super().barrier(name)
+        self._process_group.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._process_group is None:
+            return super().broadcast(obj, src)
+        return self._process_group.broadcast(obj, src)
+
+    def _explain_failure(self, exception: BaseException) -> None:
+        """Say what a failed collective usually means (multi-process strategies)."""
+        if self._process_group is not None:
+            explain_failure(exception, self.global_rank, self.world_size)
+
+    def _route_metric_syncs(self, model: Module | None) -> None:
+        """Give the module's torchmetrics metrics the collectives' gather where their default cannot work."""
+        if self._process_group is not None:
+            self._process_group.route_metric_syncs(model)
 
     def _apply_activation_checkpointing(self, module: Module) -> None:
         """Wrap the submodules `activation_checkpointing_policy` selects in torch's `checkpoint_wrapper`, with the
         helpers of Lightning's FSDPStrategy (so the policy means the same; a model already holding checkpoint
         wrappers is left alone, with a warning). State-dict keys do not change."""
-        if self._activation_checkpointing_policy is None or module is self._checkpointed:
+        if self._activation_checkpointing_policy is None:
             return
         from lightning.fabric.strategies.fsdp import _activation_checkpointing_kwargs, _setup_activation_checkpointing
 
         kwargs = _activation_checkpointing_kwargs(None, self._activation_checkpointing_policy)
         _setup_activation_checkpointing(module, kwargs)
-        self._checkpointed = module
 
     def _move_keeping_ties(self, module: Module) -> None:
         """Move `module` to the device, keeping tied weights tied (moving between the host and the device creates new
         Parameters, one per module that holds a shared one), its 0-dim tensors as device buffers, not graph
         constants (`lightning_trn.hooks.metric_states`)."""
         shared = find_shared_parameters(module)
-        place_scalars(module, self.root_device, self.runtime)  # type: ignore[attr-defined]
-        module.to(self.root_device)  # type: ignore[attr-defined]
+        place_scalars(module, self.root_device, self.runtime)
+        module.to(self.root_device)
         set_shared_parameters(module, shared)
 
     def _prefetching(
-        self, dataloader: object, position: Optional[Callable[[], int]] = None,
-        before_batch: Optional[Callable[[], None]] = None,
+        self,
+        dataloader: object,
+        position: Callable[[], int] | None = None,
+        before_batch: Callable[[], None] | None = None,
     ) -> DevicePrefetchLoader:
         """`dataloader` with its batches copied to the device in the background while the previous step runs."""
         if isinstance(dataloader, DevicePrefetchLoader):
             return dataloader
         return DevicePrefetchLoader(
-            dataloader, self.root_device, self.runtime, self._deliveries,  # type: ignore[attr-defined]
-            position=position, before_batch=before_batch,
+            dataloader,
+            self.root_device,
+            self.runtime,
+            self._deliveries,
+            position=position,
+            before_batch=before_batch,
         )
 
     def _delivered(self, batch: Any) -> bool:
@@ -164,18 +374,24 @@ class NeuronStrategyCore:
         """Where this rank saves a checkpoint for `path`: `path` itself; for a sharded checkpoint a staging directory
         that replaces `path` atomically once every rank is done (`lightning_trn.core.sharded_save`)."""
         if self._saves_sharded():
-            return staged_directory(path, self.global_rank, self.barrier)  # type: ignore[attr-defined]
+            return staged_directory(path, self.global_rank, self.barrier)
         return nullcontext(path)
+
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        """Hook between backward and the optimizer update (data-parallel strategies average the gradients there);
+        single-device and sharded strategies have nothing to reduce."""
 
     def _after_update(self, optimizer: Any) -> None:
         """Hook after the optimizer's update, before the step's graph cut (ZeRO-1 gathers the parameters)."""
 
     def _gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order (data-parallel strategies gather over the host group)."""
-        return [obj]
+        """Every rank's `obj`, in rank order (multi-process strategies gather over the host group)."""
+        if self._process_group is None:
+            return [obj]
+        return self._process_group.gather_objects(obj, self.world_size)
 
     def _random_state_to_save(
-        self, loaders: list[DevicePrefetchLoader], mid_epoch: Optional[bool], **extra: Any
+        self, loaders: list[DevicePrefetchLoader], mid_epoch: bool | None, **extra: Any
     ) -> dict[str, Any]:
         """The checkpoint's `RANDOM_STATE_KEY` value: every rank's random state (called on every rank).
 
@@ -194,21 +410,25 @@ class NeuronStrategyCore:
 
     def _restore_random_state(
         self, saved: Any, loaders: list[DevicePrefetchLoader], skip: bool = False
-    ) -> Optional[dict[str, Any]]:
+    ) -> dict[str, Any] | None:
         """Put back this rank's random state from a checkpoint's `RANDOM_STATE_KEY` value (`saved`, None if absent);
         returns the rank's entry, or None after logging once why the resume is not exact."""
-        entry, reason = rank_entry(saved, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+        entry, reason = rank_entry(saved, self.global_rank, self.world_size)
         if entry is not None and len(entry["loaders"]) != len(loaders):
-            entry, reason = None, (
+            reason = (
                 f"the checkpoint holds the random state of {len(entry['loaders'])} training loader(s) and this run "
                 f"has {len(loaders)}"
             )
+            entry = None
         if entry is not None:
-            restored = [loader.restore_random_state(state, skip) for loader, state in zip(loaders, entry["loaders"])]
+            restored = [
+                loader.restore_random_state(state, skip)
+                for loader, state in zip(loaders, entry["loaders"], strict=True)
+            ]
             if not all(restored):
                 entry, reason = None, "a training loader's generators differ from those of the checkpoint's loader"
         if entry is None:
-            if self.global_rank == 0:  # type: ignore[attr-defined]
+            if self.global_rank == 0:
                 log.warning(not_exact_notice(reason))
             return None
         set_host_states(entry["host"])
@@ -216,7 +436,15 @@ class NeuronStrategyCore:
         return entry
 
 
-class SingleDeviceCore:
+if TYPE_CHECKING:
+    #: the base of a mixin placed before a Neuron strategy base (`SingleDeviceCore`, `DataParallelCore`): the type
+    #: checker sees `NeuronStrategyCore`'s members; at run time it is `object`, so the MRO holds no extra class
+    CoreMixinBase = NeuronStrategyCore
+else:
+    CoreMixinBase = object
+
+
+class SingleDeviceCore(CoreMixinBase):
     """Mixed into the Trainer's and Fabric's single-device Neuron strategies: one process, device 0 of the runtime's
     type (`xla:0`, or `neuron:0` natively)."""
 

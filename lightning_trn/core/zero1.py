@@ -30,8 +30,9 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,8 +47,14 @@ MASTER_WEIGHT = "zero1_master_weight"
 #: optimizers whose update of an element depends only on that element's gradient and state (Lion: lion-pytorch's
 #: class, matched by name); any other is refused unless registered with `allow_zero1_optimizer`
 ELEMENTWISE: tuple[type, ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
 )
 ELEMENTWISE_NAMES = ("Lion",)
 #: optimizer classes registered by `allow_zero1_optimizer`
@@ -86,7 +93,7 @@ def _is_elementwise(optimizer: Optimizer) -> bool:
     return cls in ELEMENTWISE or cls in _ALLOWED or cls.__name__ in ELEMENTWISE_NAMES
 
 
-def sharding_of(optimizer: Optimizer) -> Optional[Zero1Sharding]:
+def sharding_of(optimizer: Optimizer) -> Zero1Sharding | None:
     """The ZeRO-1 sharding of `optimizer`, or None if it is not sharded."""
     return _SHARDINGS.get(optimizer)
 
@@ -136,7 +143,7 @@ def _chunk_width(numel: int, world_size: int) -> int:
 
 
 def consolidate(
-    checkpoint: dict[str, Any], directory: str, load: Callable[[str], Any], shard: Optional[tuple[int, int]] = None
+    checkpoint: dict[str, Any], directory: str, load: Callable[[str], Any], shard: tuple[int, int] | None = None
 ) -> dict[str, Any]:
     """`checkpoint` (a sharded directory's main file) with each marker resolved from the rank files in `directory`.
 
@@ -157,7 +164,7 @@ def consolidate(
         from the files that hold them, zero past its end."""
         width = _chunk_width(marker["numel"], marker["world_size"])
         stop = min(start + size, marker["numel"])
-        out: Optional[Tensor] = None
+        out: Tensor | None = None
         last = marker["world_size"] - 1  # at least one file is read, for the dtype
         for rank in range(min(start // width, last), min(max(stop - 1, start) // width, last) + 1):
             part = chunks_of(rank)[marker[CHUNK]][max(start - rank * width, 0) : max(stop - rank * width, 0)]
@@ -171,13 +178,16 @@ def consolidate(
     def full(marker: dict) -> Tensor:
         return elements(marker, 0, marker["numel"]).view(marker["shape"])
 
+    if shard is None:
+        return _map_markers(checkpoint, full)
+    rank, world_size = shard
+
     def local(marker: dict) -> dict:
-        rank, world_size = shard
         width = _chunk_width(marker["numel"], world_size)
         mine = elements(marker, min(rank * width, marker["numel"]), width)
         return {**marker, CHUNK: mine, "world_size": world_size, "rank": rank}
 
-    return _map_markers(checkpoint, full if shard is None else local)
+    return _map_markers(checkpoint, local)
 
 
 def _padded_flat(tensor: Tensor, numel: int) -> Tensor:
@@ -207,6 +217,11 @@ class _Slot:
     def unshard(self, rows: Tensor) -> Tensor:
         """The parameter-shaped tensor from every rank's chunk (`rows`: `[world_size, chunk]`)."""
         return rows.reshape(-1)[: self.param.numel()].view(self.param.shape)
+
+    def param_grad(self) -> Tensor:
+        """The module parameter's gradient, for slots known to have one."""
+        assert self.param.grad is not None
+        return self.param.grad
 
 
 class Zero1Sharding:
@@ -291,20 +306,20 @@ class Zero1Sharding:
         only clears the chunks')."""
         slots = [slot for slot in self._slots if slot.param.grad is not None]
         with torch.no_grad():
-            for bucket in buckets(slots, tensor=lambda slot: slot.param.grad):
+            for bucket in buckets(slots, tensor=_Slot.param_grad):
                 width = self.world_size
-                rows = torch.cat([_padded_flat(s.param.grad, s.chunk * width).view(width, s.chunk) for s in bucket], 1)
+                padded = [_padded_flat(s.param_grad(), s.chunk * width).view(width, s.chunk) for s in bucket]
+                rows = torch.cat(padded, 1)
+                del padded
                 for slot in bucket:  # copied into `rows`: free them before the collective allocates its result
                     slot.param.grad = None
                 rows = rows.to(REDUCE_DTYPE)
                 mine = self.collectives.reduce_scatter(rows)
                 del rows
-                for slot, grad in zip(bucket, mine.split([s.chunk for s in bucket])):
+                for slot, grad in zip(bucket, mine.split([s.chunk for s in bucket]), strict=True):
                     slot.shard.grad = grad
 
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the whole model: the norm of all ranks' chunks, each rank scaling its
         own. Returns the total norm."""
         grads = [slot.shard.grad for slot in self._slots if slot.shard.grad is not None]
@@ -336,7 +351,7 @@ class Zero1Sharding:
             for bucket in buckets(self._slots, tensor=lambda slot: slot.param):
                 mine = torch.cat([self._rounding(slot.shard.detach(), slot.param.dtype) for slot in bucket])
                 every = self.collectives.all_gather(mine)
-                for slot, rows in zip(bucket, every.split([s.chunk for s in bucket], dim=1)):
+                for slot, rows in zip(bucket, every.split([s.chunk for s in bucket], dim=1), strict=True):
                     slot.param.copy_(slot.unshard(rows))
 
     def refresh(self) -> None:
@@ -369,8 +384,12 @@ class Zero1Sharding:
         if self.state_dict_type == "sharded":
             for index, key, value in pieces:
                 slot = self._slots[index]
-                marker = {CHUNK: value, "numel": slot.param.numel(), "shape": list(slot.param.shape),
-                          "world_size": self.world_size}
+                marker = {
+                    CHUNK: value,
+                    "numel": slot.param.numel(),
+                    "shape": list(slot.param.shape),
+                    "world_size": self.world_size,
+                }
                 full_state.setdefault(index, {})[key] = marker
             return {**state_dict, "state": full_state}
         full = self._gather_to_rank0(pieces)
@@ -378,11 +397,11 @@ class Zero1Sharding:
             for index, key, _ in pieces:
                 full_state.get(index, {}).pop(key, None)
             return {**state_dict, "state": full_state, GATHERED_ON: 0}
-        for (index, key, _), value in zip(pieces, full):
+        for (index, key, _), value in zip(pieces, full, strict=True):
             full_state.setdefault(index, {})[key] = value
         return {**state_dict, "state": full_state}
 
-    def _gather_to_rank0(self, pieces: list[tuple[int, str, Tensor]]) -> Optional[list[Tensor]]:
+    def _gather_to_rank0(self, pieces: list[tuple[int, str, Tensor]]) -> list[Tensor] | None:
         """The parameter-shaped host tensors of `pieces` (this rank's chunks) on rank 0, None on the others.
 
         Sent in buckets of at most `gather_bucket_bytes` (a chunk larger than that in several slices); a chunk is
@@ -408,19 +427,20 @@ class Zero1Sharding:
             number, start, stop = piece_slice
             return torch.empty(stop - start, dtype=pieces[number][2].dtype, device="meta")
 
-        rows: list[Optional[Tensor]] = [None] * len(pieces)
+        rows: dict[int, Tensor] = {}  # rank 0's `[world_size, chunk]` of each piece, filled as buckets arrive
         for bucket in buckets(slices, self.gather_bucket_bytes, tensor=size):
             every = self.host_collectives.gather(torch.cat([host_slice(*piece_slice) for piece_slice in bucket]), dst=0)
             if every is None:
                 continue
-            for (number, start, stop), received in zip(bucket, every.split([b - a for _, a, b in bucket], dim=1)):
-                if rows[number] is None:
+            widths = [stop - start for _, start, stop in bucket]
+            for (number, start, stop), received in zip(bucket, every.split(widths, dim=1), strict=True):
+                if number not in rows:
                     value = pieces[number][2]
                     rows[number] = torch.empty((self.world_size, value.numel()), dtype=value.dtype)
-                rows[number][:, start:stop] = received  # type: ignore[index]
+                rows[number][:, start:stop] = received
         if self.rank != 0:
             return None
-        return [self._slots[index].unshard(full) for (index, _, _), full in zip(pieces, rows)]  # type: ignore[arg-type]
+        return [self._slots[index].unshard(rows[number]) for number, (index, _, _) in enumerate(pieces)]
 
     def _load_state_dict_pre_hook(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Pre-hook of `optimizer.load_state_dict()`: a full state (from any world size) cut to this rank's chunks, or
@@ -434,7 +454,8 @@ class Zero1Sharding:
         state = {int(index): dict(value) for index, value in state_dict["state"].items()}
         self._loaded_masters = {
             index: self._own_chunk(index, value.pop(MASTER_WEIGHT)).float()
-            for index, value in state.items() if MASTER_WEIGHT in value
+            for index, value in state.items()
+            if MASTER_WEIGHT in value
         }
         self._load_chunks(state)
         self.refresh()
@@ -445,8 +466,11 @@ class Zero1Sharding:
         resolved marker; anything else (step counts, scalars) as it is."""
         slot = self._slots[index]
         if isinstance(value, dict) and CHUNK in value:
-            if (value.get("rank"), value["world_size"], value["numel"]) != (self.rank, self.world_size,
-                                                                          slot.param.numel()):
+            if (value.get("rank"), value["world_size"], value["numel"]) != (
+                self.rank,
+                self.world_size,
+                slot.param.numel(),
+            ):
                 raise ValueError(
                     f"A sharded ZeRO-1 state resolved for rank {value.get('rank')} of {value['world_size']} (a tensor "
                     f"of {value['numel']} elements) reached rank {self.rank} of {self.world_size}: load it through "

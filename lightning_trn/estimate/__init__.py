@@ -28,9 +28,9 @@ import contextlib
 import functools
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -50,12 +50,20 @@ XLA_NOTE = (
 _GIB = 2**30
 #: the tracker's categories (its snapshot keys, lower-cased) -> this estimate's rows
 _CATEGORIES = {
-    "sharded param": "parameters", "parameter": "parameters", "buffer": "parameters",
-    "sharded grad": "gradients", "gradient": "gradients",
+    "sharded param": "parameters",
+    "parameter": "parameters",
+    "buffer": "parameters",
+    "sharded grad": "gradients",
+    "gradient": "gradients",
     "optstate": "optimizer_state",
-    "activation": "activations", "inputs": "activations",
-    "unsharded param": "temporaries", "unsharded grad": "temporaries", "temp": "temporaries",
-    "all gather": "temporaries", "reduce scatter": "temporaries", "other": "temporaries",
+    "activation": "activations",
+    "inputs": "activations",
+    "unsharded param": "temporaries",
+    "unsharded grad": "temporaries",
+    "temp": "temporaries",
+    "all gather": "temporaries",
+    "reduce scatter": "temporaries",
+    "other": "temporaries",
 }
 ROWS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 
@@ -115,27 +123,42 @@ class Estimate:
         worst = max(self.ranks, key=lambda rank: rank.peak)
         over = (self.peak - self.capacity) / _GIB
         if worst.activations + worst.temporaries >= worst.parameters + worst.gradients + worst.optimizer_state:
-            change = ("activations dominate: turn on activation checkpointing (model.activation_checkpointing=true) "
-                      "if it is off, lower the micro-batch (data.batch_size), or shard activations with more tensor "
-                      "parallelism")
+            change = (
+                "activations dominate: turn on activation checkpointing (model.activation_checkpointing=true) "
+                "if it is off, lower the micro-batch (data.batch_size), or shard activations with more tensor "
+                "parallelism"
+            )
         else:
-            change = ("shard the training state further: more tensor parallelism (model.tensor_parallel_size), "
-                      "FSDP over more ranks (num_nodes), or ZeRO-1 where the state is replicated")
+            change = (
+                "shard the training state further: more tensor parallelism (model.tensor_parallel_size), "
+                "FSDP over more ranks (num_nodes), or ZeRO-1 where the state is replicated"
+            )
         return f"does not fit: {over:.2f} GiB over; {change}."
 
     def format(self) -> str:
         """The report `python -m lightning_trn.estimate` prints; its last line is
         `peak device memory per rank: <x> GiB of <y> GiB`."""
         lines = [f"world size {self.world_size}, {self.platform}: {self.capacity / _GIB:.0f} GiB per rank", ""]
-        header = ("rank", "parameters", "gradients", "optimizer", "activations", "temporaries", "total peak",
-                  "capacity")
+        header = (
+            "rank",
+            "parameters",
+            "gradients",
+            "optimizer",
+            "activations",
+            "temporaries",
+            "total peak",
+            "capacity",
+        )
         lines.append(" | ".join(f"{name:>11}" for name in header))
         for rank in self.ranks:
-            cells = [f"{rank.rank}", *(f"{getattr(rank, row) / _GIB:.2f} GiB" for row in ROWS),
-                     f"{rank.peak / _GIB:.2f} GiB", f"{self.capacity / _GIB:.0f} GiB"]
+            cells = [
+                f"{rank.rank}",
+                *(f"{getattr(rank, row) / _GIB:.2f} GiB" for row in ROWS),
+                f"{rank.peak / _GIB:.2f} GiB",
+                f"{self.capacity / _GIB:.0f} GiB",
+            ]
             lines.append(" | ".join(f"{cell:>11}" for cell in cells))
-        lines += ["", "collectives of one training step (per rank)",
-                  f"{'kind':>30} | {'count':>6} | {'bytes':>12}"]
+        lines += ["", "collectives of one training step (per rank)", f"{'kind':>30} | {'count':>6} | {'bytes':>12}"]
         for collective in self.collectives:
             lines.append(f"{collective.kind:>30} | {collective.count:>6} | {_size(collective.bytes_per_rank):>12}")
         if not self.collectives:
@@ -267,17 +290,19 @@ def _fake_tensor_fixes() -> Iterator[None]:
     from torch.distributed.tensor import _sharding_prop, _utils
 
     propagation_mode = FakeTensorMode()
-    patched = [(DeviceMesh, "__init__", _on_real_tensors),
-               (_utils, "compute_local_shape_and_global_offset", _on_real_tensors),
-               (torch.utils, "swap_tensors", _swap_unless_unchanged),
-               (_sharding_prop, "detect_fake_mode", lambda original: lambda *args: propagation_mode)]
+    patched: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (DeviceMesh, "__init__", _on_real_tensors),
+        (_utils, "compute_local_shape_and_global_offset", _on_real_tensors),
+        (torch.utils, "swap_tensors", _swap_unless_unchanged),
+        (_sharding_prop, "detect_fake_mode", lambda original: lambda *args: propagation_mode),
+    ]
     originals = [getattr(owner, name) for owner, name, _ in patched]
-    for (owner, name, wrap), original in zip(patched, originals):
+    for (owner, name, wrap), original in zip(patched, originals, strict=True):
         setattr(owner, name, wrap(original))
     try:
         yield
     finally:
-        for (owner, name, _), original in zip(patched, originals):
+        for (owner, name, _), original in zip(patched, originals, strict=True):
             setattr(owner, name, original)
 
 
@@ -313,12 +338,15 @@ def _tensor_bytes(tree: Any) -> int:
 
 
 def _collectives(mode: Any) -> list[Collective]:
-    return [Collective(str(packet).replace("c10d.", "").replace("_c10d_functional.", ""), count,
-                       mode.comm_bytes.get(packet, 0))
-            for packet, count in sorted(mode.get_comm_counts().items(), key=lambda item: str(item[0]))]
+    return [
+        Collective(
+            str(packet).replace("c10d.", "").replace("_c10d_functional.", ""), count, mode.comm_bytes.get(packet, 0)
+        )
+        for packet, count in sorted(mode.get_comm_counts().items(), key=lambda item: str(item[0]))
+    ]
 
 
-def _fsdp_root(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+def _fsdp_root(module: torch.nn.Module) -> torch.nn.Module | None:
     from torch.distributed.fsdp import FSDPModule
 
     return next((sub for sub in module.modules() if isinstance(sub, FSDPModule)), None)
@@ -366,11 +394,12 @@ class _Measure:
                 optimizer = trainer.optimizers[0] if trainer.optimizers else None
                 root = _fsdp_root(trainer.strategy.model)
                 if root is not None:
-                    tracker = FSDPMemTracker(root, optimizer)
+                    tracker: MemTracker = FSDPMemTracker(root, optimizer)
                     self.stack.enter_context(tracker)
                     # the rest of the LightningModule (metrics' states, an unsharded head) is device memory too
-                    tracker.track_external(*(t for t in [*pl_module.parameters(), *pl_module.buffers()]
-                                             if not _is_dtensor(t)))
+                    tracker.track_external(
+                        *(t for t in [*pl_module.parameters(), *pl_module.buffers()] if not _is_dtensor(t))
+                    )
                 else:
                     tracker = MemTracker()
                     tracker.track_external(pl_module, *([optimizer] if optimizer is not None else []))
@@ -381,8 +410,9 @@ class _Measure:
                 if batch_idx == 1:
                     self.comms = self.stack.enter_context(_CollectiveBytes.mode())
 
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                                   batch_idx: int) -> None:
+            def on_train_batch_end(
+                self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+            ) -> None:
                 if batch_idx == 0:
                     result["tracker"].reset_mod_stats()
                     _restart_peak(result["tracker"])
@@ -414,12 +444,12 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
     step = optimizer.step
 
     @functools.wraps(step)  # keeps the LR scheduler's mark on the step it wrapped
-    def closure_then_step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+    def closure_then_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None
         step(**kwargs)
         return loss
 
-    optimizer.step = closure_then_step  # type: ignore[method-assign]
+    optimizer.step = closure_then_step  # type: ignore[method-assign]  # patched on this one optimizer object only
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -456,15 +486,15 @@ def simulate_rank(
     group; returns that rank's memory at the second step's peak and that step's collectives."""
     import lightning.pytorch as pl
     from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning.pytorch.strategies import ModelParallelStrategy
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from lightning_trn.core.model_parallel import ModelParallelCore
 
     devices, nodes = int(trainer_kwargs.get("devices", 1)), int(trainer_kwargs.get("num_nodes", 1))
     world_size = devices * nodes
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     result: dict[str, Any] = {}
-    printing_rank = rank_zero_only.rank  # the strategy sets it to the simulated rank
+    # the strategy sets it to the simulated rank
+    printing_rank = rank_zero_only.rank  # type: ignore[attr-defined]  # Lightning sets it as an attribute of the function
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, rank_zero_only, "rank", printing_rank)
         # Lightning's launcher lowers the process's thread count for the simulated processes of one node (to 1
@@ -473,14 +503,25 @@ def simulate_rank(
         root = stack.enter_context(tempfile.TemporaryDirectory())
         stack.enter_context(_fake_process_group(rank, world_size))
         stack.enter_context(_fake_tensor_fixes())
-        trainer = pl.Trainer(**{
-            **trainer_kwargs, "max_epochs": -1, "max_steps": 2, "accumulate_grad_batches": 1,
-            "limit_val_batches": 0, "num_sanity_val_steps": 0, "logger": False, "enable_checkpointing": False,
-            "enable_progress_bar": False, "enable_model_summary": False, "use_distributed_sampler": False,
-            "default_root_dir": root, "callbacks": [_Measure.callback(result, fake_mode)],
-            "plugins": [*_as_list(trainer_kwargs.get("plugins")), _cluster(world_size, rank, devices)],
-        })
-        if isinstance(trainer.strategy, ModelParallelCore):  # it materializes a meta-built model itself
+        trainer = pl.Trainer(
+            **{
+                **trainer_kwargs,
+                "max_epochs": -1,
+                "max_steps": 2,
+                "accumulate_grad_batches": 1,
+                "limit_val_batches": 0,
+                "num_sanity_val_steps": 0,
+                "logger": False,
+                "enable_checkpointing": False,
+                "enable_progress_bar": False,
+                "enable_model_summary": False,
+                "use_distributed_sampler": False,
+                "default_root_dir": root,
+                "callbacks": [_Measure.callback(result, fake_mode)],
+                "plugins": [*_as_list(trainer_kwargs.get("plugins")), _cluster(world_size, rank, devices)],
+            }
+        )
+        if isinstance(trainer.strategy, ModelParallelStrategy):  # ours (and FSDP) materialize a meta-built model
             module = module_factory()
         else:  # built on meta (no memory, however large), then fake where the strategy would move it
             with torch.device("meta"):
@@ -530,7 +571,7 @@ def estimate(
     module_factory: Callable[[], Any],
     batch: Any,
     *,
-    platform: Optional[str] = None,
+    platform: str | None = None,
     ranks: Sequence[int] = (0,),
     **trainer_kwargs: Any,
 ) -> Estimate:
@@ -555,7 +596,8 @@ def estimate(
         RuntimeError: a process group exists already.
     """
     platform = platform or default_platform(trainer_kwargs)
-    memories, collectives = [], []
+    memories: list[Any] = []
+    collectives: list[Any] = []
     for rank in ranks:
         memory, step_collectives = simulate_rank(module_factory, batch, rank, **trainer_kwargs)
         memories.append(memory)

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, cast
 
 #: the device count the stand-in offers for the simulation: the largest node (trn2.48xlarge: 64 logical cores)
 STANDIN_DEVICES = 64
@@ -42,7 +42,7 @@ def recipe_batch(recipe: Any, cfg: Any) -> Any:
     return next(iter(data.train_dataloader()))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(__doc__)
@@ -62,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_config(recipe, overrides)
     except (KeyError, ValueError) as err:
         raise SystemExit(err.args[0]) from None
-    trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
+    trainer_args = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))  # a mapping section
     if recipe.trainer_args is not None:
         trainer_args.update(recipe.trainer_args(cfg))
     preset = str(cfg.get("preset", "none"))

@@ -5,10 +5,17 @@ Trainer does (docs/fabric.md)."""
 from lightning_trn.fabric.checkpoint import trainer_checkpoint
 from lightning_trn.fabric.precision import NeuronPrecision
 from lightning_trn.fabric.strategies import (
-    NeuronDDPStrategy, NeuronFSDPStrategy, NeuronModelParallelStrategy, SingleDeviceNeuronStrategy,
+    NeuronDDPStrategy,
+    NeuronFSDPStrategy,
+    NeuronModelParallelStrategy,
+    SingleDeviceNeuronStrategy,
 )
 
 __all__ = [
-    "NeuronDDPStrategy", "NeuronFSDPStrategy", "NeuronModelParallelStrategy", "NeuronPrecision",
-    "SingleDeviceNeuronStrategy", "trainer_checkpoint",
+    "NeuronDDPStrategy",
+    "NeuronFSDPStrategy",
+    "NeuronModelParallelStrategy",
+    "NeuronPrecision",
+    "SingleDeviceNeuronStrategy",
+    "trainer_checkpoint",
 ]

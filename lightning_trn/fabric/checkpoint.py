@@ -9,6 +9,7 @@ import lightning
 from torch.nn import Module
 from torch.optim import Optimizer
 
+
 def trainer_checkpoint(
     module: Module, optimizers: Iterable[Optimizer], lr_schedulers: Iterable[Any] = (), **extra: Any
 ) -> dict[str, Any]:

@@ -5,7 +5,7 @@ Fabric's optimizer step; dtypes, autocast, stochastic rounding and the Neuron en
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -25,7 +25,7 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
     uses. Arguments as the Trainer's plugin, except `master_weights`: Fabric saves only the state you pass to
     `fabric.save`, so fp32 master copies kept inside the plugin would be lost from checkpoints."""
 
-    def __init__(self, precision: str = "32-true", *, stochastic_rounding: bool = True, seed: Optional[int] = None):
+    def __init__(self, precision: str = "32-true", *, stochastic_rounding: bool = True, seed: int | None = None):
         super().__init__(precision, stochastic_rounding=stochastic_rounding, seed=seed)
 
     @override
@@ -38,7 +38,7 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
         return stack
 
     @override
-    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         """`tensor.backward(...)`, with the activation-checkpointing hooks in place for the recompute."""
         with registry.installed(registry.CHECKPOINT_HOOKS):
             super().backward(tensor, model, *args, **kwargs)
@@ -52,7 +52,8 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:  # type: ignore[override]
+    # a torch `Optimizer`, not any of Lightning's `Optimizable`: the fp32 update reads its param groups
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:  # type: ignore[override]  # see above
         """bf16-true without hardware rounding: the update runs in fp32 and is rounded stochastically to bf16."""
         if self._bf16_step is None:
             return super().optimizer_step(optimizer, **kwargs)

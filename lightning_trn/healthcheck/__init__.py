@@ -20,10 +20,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -147,7 +147,8 @@ class _Board:
                         "without that node."
                     )
                 time.sleep(_POLL_S)
-            return [json.loads(value) for value in self._store.multi_get(everyone)]
+            values = self._store.multi_get(everyone)  # type: ignore[attr-defined]  # in torch, not in its stubs
+            return [json.loads(value) for value in values]
 
 
 @contextmanager
@@ -164,11 +165,16 @@ def _watchdog(seconds: float, what: str, board: _Board, phase: str) -> Iterator[
             absent = board.missing(f"{phase}-start")
         except RuntimeError:  # the store is gone too
             absent = []
-        blame = (f"{board.name(absent)} never started it, so the others wait for them" if absent else
-                 f"{where} is stuck in it; the device or its runtime is not answering: check `neuron-ls` / "
-                 "`neuron-top` and the kernel log on this host")
-        sys.stderr.write(f"lightning_trn health check: {what} did not finish within {seconds:g} s on {where}: "
-                         f"{blame}. Ending this process (exit code {EXIT_HUNG}).\n")
+        blame = (
+            f"{board.name(absent)} never started it, so the others wait for them"
+            if absent
+            else f"{where} is stuck in it; the device or its runtime is not answering: check `neuron-ls` / "
+            "`neuron-top` and the kernel log on this host"
+        )
+        sys.stderr.write(
+            f"lightning_trn health check: {what} did not finish within {seconds:g} s on {where}: "
+            f"{blame}. Ending this process (exit code {EXIT_HUNG}).\n"
+        )
         sys.stderr.flush()
         os._exit(EXIT_HUNG)
 
@@ -176,10 +182,8 @@ def _watchdog(seconds: float, what: str, board: _Board, phase: str) -> Iterator[
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
-    try:
+    with suppress(ValueError, RuntimeError, AttributeError, OSError):  # no usable stderr file descriptor: timer only
         faulthandler.dump_traceback_later(seconds + 10, exit=True)
-    except (ValueError, RuntimeError, AttributeError, OSError):  # no usable stderr file descriptor: timer only
-        pass
     try:
         yield
     finally:
@@ -223,12 +227,16 @@ def _collectives(report: RankReport, strategy: Any, size_mb: int, iters: int) ->
     gathered = strategy.all_gather(mine.to(device)).cpu()
     for other in range(world):
         expected = torch.tensor([other, other * other + 1], dtype=torch.float32)
-        report.check(torch.equal(gathered[other], expected),
-                     f"all-gather: rank {other}'s slot held {gathered[other].tolist()}, expected {expected.tolist()}")
+        report.check(
+            torch.equal(gathered[other], expected),
+            f"all-gather: rank {other}'s slot held {gathered[other].tolist()}, expected {expected.tolist()}",
+        )
     total = strategy.all_reduce(torch.full((8,), rank + 1.0, device=device), reduce_op="sum").cpu()
     expected_sum = world * (world + 1) / 2
-    report.check(bool((total == expected_sum).all()),
-                 f"all-reduce (sum of rank+1): got {total.tolist()}, expected {expected_sum} everywhere")
+    report.check(
+        bool((total == expected_sum).all()),
+        f"all-reduce (sum of rank+1): got {total.tolist()}, expected {expected_sum} everywhere",
+    )
 
     payload = torch.ones(size_mb * 2**18, dtype=torch.float32, device=device)
     reduced = strategy.all_reduce(payload, reduce_op="sum")
@@ -258,8 +266,10 @@ def _fail(reports: Sequence[RankReport], what: str) -> None:
 def check_arguments(timeout: float, size_mb: int, iters: int = 1) -> None:
     """Raise `ValueError` unless timeout > 0, size_mb >= 1 and iters >= 1."""
     if timeout <= 0 or size_mb < 1 or iters < 1:
-        raise ValueError(f"The health check needs timeout > 0, size_mb >= 1 and iters >= 1; got timeout={timeout}, "
-                         f"size_mb={size_mb}, iters={iters}.")
+        raise ValueError(
+            f"The health check needs timeout > 0, size_mb >= 1 and iters >= 1; got timeout={timeout}, "
+            f"size_mb={size_mb}, iters={iters}."
+        )
 
 
 def _guarded(report: RankReport, what: str, check: Callable[[], Any]) -> Any:
@@ -273,12 +283,16 @@ def _guarded(report: RankReport, what: str, check: Callable[[], Any]) -> Any:
 
 def _check_versions(reports: Sequence[RankReport]) -> None:
     first = reports[0].versions
-    differing = [(r, sorted(k for k in set(first) | set(r.versions) if first.get(k) != r.versions.get(k)))
-                 for r in reports[1:]]
+    differing = [
+        (r, sorted(k for k in set(first) | set(r.versions) if first.get(k) != r.versions.get(k))) for r in reports[1:]
+    ]
     differing = [(r, keys) for r, keys in differing if keys]
     if differing:
-        details = "; ".join(f"{r.where()}: " + ", ".join(f"{k} {r.versions.get(k)} (rank {reports[0].rank}: "
-                                                          f"{first.get(k)})" for k in keys) for r, keys in differing)
+        details = "; ".join(
+            f"{r.where()}: "
+            + ", ".join(f"{k} {r.versions.get(k)} (rank {reports[0].rank}: {first.get(k)})" for k in keys)
+            for r, keys in differing
+        )
         raise HealthCheckError(
             f"lightning_trn health check: the ranks run different software: {details}. Mixed driver, runtime, "
             "compiler or torch versions give wrong results or hangs: install the same Neuron SDK release on every node."
@@ -286,7 +300,10 @@ def _check_versions(reports: Sequence[RankReport]) -> None:
 
 
 def run_health_check(
-    strategy: Any, timeout: float = DEFAULT_TIMEOUT_S, size_mb: int = DEFAULT_SIZE_MB, iters: int = 5,
+    strategy: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    size_mb: int = DEFAULT_SIZE_MB,
+    iters: int = 5,
 ) -> HealthReport:
     """Run every check on every rank of `strategy` (a Neuron strategy of the Trainer or Fabric, set up), collectively.
 
@@ -298,8 +315,9 @@ def run_health_check(
     runtime, device = strategy.runtime, strategy.root_device
     world, rank = strategy.world_size, strategy.global_rank
     board = _Board(world, rank, next(_runs))
-    mine = RankReport(rank=rank, host=socket.gethostname(), core=runtime.core_label(device),
-                      versions=runtime.versions())
+    mine = RankReport(
+        rank=rank, host=socket.gethostname(), core=runtime.core_label(device), versions=runtime.versions()
+    )
 
     board.post("hello", asdict(mine))
     board.hello = {r: RankReport(**p) for r, p in enumerate(board.collect("hello", timeout, "starting the check"))}

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any
 
 from lightning_trn.healthcheck import (
     DEFAULT_SIZE_MB,
@@ -31,16 +31,21 @@ def _launch_defaults(env: dict[str, str]) -> tuple[str, int]:
     return "auto", 1
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m lightning_trn.healthcheck [--devices N] [--num-nodes M]`: 0 when every check passed."""
     devices, num_nodes = _launch_defaults(dict(os.environ))
-    parser = argparse.ArgumentParser(prog="python -m lightning_trn.healthcheck",
-                                     description="Check NeuronCores and collectives before training.")
-    parser.add_argument("--devices", default=devices,
-                        help="processes (NeuronCores) per node; default: the launcher's, else all ('auto')")
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_trn.healthcheck", description="Check NeuronCores and collectives before training."
+    )
+    parser.add_argument(
+        "--devices",
+        default=devices,
+        help="processes (NeuronCores) per node; default: the launcher's, else all ('auto')",
+    )
     parser.add_argument("--num-nodes", type=int, default=num_nodes, help="nodes; default: the launcher's, else 1")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help="seconds a rank waits for the others at each phase")
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a rank waits for the others at each phase"
+    )
     parser.add_argument("--size-mb", type=int, default=DEFAULT_SIZE_MB, help="MiB per copy and timed all-reduce")
     parser.add_argument("--iters", type=int, default=5, help="timed all-reduce repetitions")
     parser.add_argument("--json", default=None, help="also write the report (rank 0) to this file")

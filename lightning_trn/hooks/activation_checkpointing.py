@@ -23,7 +23,8 @@ backend is eager.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -31,13 +32,13 @@ from torch.utils._pytree import tree_leaves
 from lightning_trn.runtime import DeviceRuntime, get_runtime
 
 
-def xla_device_module(original: Optional[Any]) -> Optional[Any]:
+def xla_device_module(original: Any | None) -> Any | None:
     """`torch.xla` for an XLA run: the runtime's device module (torch_xla registers none)."""
     runtime = get_runtime()
     return runtime.checkpoint_device_module() if original is None and runtime.device_type == "xla" else None
 
 
-def device_module_lookup(original: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
+def device_module_lookup(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
     """torch's checkpoint's `_get_device_module`, answering the runtime's device module for the run's device type."""
     if original is None:
         return None
@@ -72,16 +73,19 @@ class FenceOnRecompute:
         owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
         state = [*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else []
         device_type = self.runtime.device_type
-        return [t for t in [*tree_leaves((args, kwargs)), *state]
-                if isinstance(t, torch.Tensor) and t.device.type == device_type]
+        return [
+            t
+            for t in [*tree_leaves((args, kwargs)), *state]
+            if isinstance(t, torch.Tensor) and t.device.type == device_type
+        ]
 
 
-def _needs_fence() -> Optional[DeviceRuntime]:
+def _needs_fence() -> DeviceRuntime | None:
     runtime = get_runtime()
     return runtime if runtime.fences_recompute else None
 
 
-def fenced_non_reentrant(original: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
+def fenced_non_reentrant(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
     """torch's `_checkpoint_without_reentrant_generator` (`use_reentrant=False`) with a fenced recompute."""
     runtime = _needs_fence()
     if original is None or runtime is None:
@@ -93,15 +97,17 @@ def fenced_non_reentrant(original: Optional[Callable[..., Any]]) -> Optional[Cal
     return generator
 
 
-def fenced_reentrant(original: Optional[Any]) -> Optional[Any]:
+def fenced_reentrant(original: Any | None) -> Any | None:
     """torch's `CheckpointFunction` (`use_reentrant=True`) with a fenced recompute."""
     runtime = _needs_fence()
     if original is None or runtime is None:
         return None
+    checkpoint_function, fence_runtime = original, runtime  # a nested class's method does not see the narrowing
 
     class FencedCheckpointFunction:
         @staticmethod
         def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
-            return original.apply(FenceOnRecompute(function, runtime, forward_calls=1), preserve_rng_state, *args)
+            fenced = FenceOnRecompute(function, fence_runtime, forward_calls=1)
+            return checkpoint_function.apply(fenced, preserve_rng_state, *args)
 
     return FencedCheckpointFunction

@@ -1,4 +1,4 @@
-"""Lightning's end-of-run moves to the host in one device-to-host transfer (issue 19).
+"""Lightning's end-of-run moves to the host in one device-to-host transfer (docs/job-economy.md).
 
 `Trainer._teardown` moves the model, the optimizer states, the loops' logged results and the logged metrics to the
 CPU, one `.cpu()` per tensor: on XLA one transfer each (60 for the MLP recipe, whose own work needs 31 in the whole
@@ -10,13 +10,14 @@ own `.cpu()` / `.to("cpu")` calls, so Lightning's code runs unchanged and ends w
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.overrides import TorchFunctionMode
 
-from lightning_trn.hooks.metric_states import NEURON_DEVICE_TYPES, metrics_of
+from lightning_trn.core.scalars import NEURON_DEVICE_TYPES, metrics_of
 from lightning_trn.runtime import DeviceRuntime
 
 _MOVES = (torch.Tensor.cpu, torch.Tensor.to)
@@ -48,11 +49,11 @@ class HostCopies(TorchFunctionMode):
         self._runtime = runtime
         unique = list({id(t): t for t in tensors}.values())
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
-            id(t): (t, host) for t, host in zip(unique, runtime.to_host(unique))
+            id(t): (t, host) for t, host in zip(unique, runtime.to_host(unique), strict=True)
         }
         self._handed_out: set[int] = set()
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         entry = self._copies.get(id(args[0])) if args else None
         if entry is not None and entry[0] is args[0]:
@@ -69,8 +70,11 @@ class HostCopies(TorchFunctionMode):
                 self._handed_out.add(id(host))
                 return host
         device = kwargs.get("device")
-        if (func is torch.zeros and isinstance(device, (str, torch.device))
-                and torch.device(device).type in NEURON_DEVICE_TYPES):
+        if (
+            func is torch.zeros
+            and isinstance(device, (str, torch.device))
+            and torch.device(device).type in NEURON_DEVICE_TYPES
+        ):
             host = func(*args, **{**kwargs, "device": "cpu"})
             tensor = self._runtime.to_device([host], torch.device(device))[0]
             self._copies[id(tensor)] = (tensor, host)
@@ -98,8 +102,12 @@ def teardown_tensors(trainer: Any) -> list[torch.Tensor]:
             apply_to_collection(dict(metric.__dict__), torch.Tensor, _on_device, found)
     for optimizer in trainer.optimizers:
         apply_to_collection(optimizer.state, torch.Tensor, _on_device, found)
-    loops = (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop,
-             trainer.test_loop)
+    loops = (
+        trainer.fit_loop.epoch_loop,
+        trainer.fit_loop.epoch_loop.val_loop,
+        trainer.validate_loop,
+        trainer.test_loop,
+    )
     for results in (loop._results for loop in loops):
         for result_metric in results.values():
             apply_to_collection(dict(result_metric.__dict__), torch.Tensor, _on_device, found)
@@ -109,7 +117,7 @@ def teardown_tensors(trainer: Any) -> list[torch.Tensor]:
     return found
 
 
-def teardown_in_one_transfer(teardown: Any) -> Optional[Callable[[Any], None]]:
+def teardown_in_one_transfer(teardown: Any) -> Callable[[Any], None] | None:
     """Hook replacing `Trainer._teardown`: Lightning's teardown, its moves to the host served by `HostCopies`."""
     if not callable(teardown):
         return None

@@ -3,14 +3,15 @@ loader properties (installed by `lightning_trn.hooks.registry` for Neuron runs o
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from lightning.pytorch.utilities._pytree import tree_unflatten
 
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 
 
-def setup_data_showing_user_loaders(original: Optional[Callable[[Any], None]]) -> Optional[Callable[[Any], None]]:
+def setup_data_showing_user_loaders(original: Callable[[Any], None] | None) -> Callable[[Any], None] | None:
     """A loop's `setup_data` after which `trainer.train_dataloader`, `val_dataloaders`, `test_dataloaders` and
     `predict_dataloaders` return the DataLoaders as Lightning prepared them (the user's own, or Lightning's copy with a
     `DistributedSampler`), as in a CPU run, not the prefetchers iterating them.

@@ -6,8 +6,9 @@ what it relies on); `lightning_trn.hooks.registry` installs them for Neuron runs
 1. Stop Lightning from reading `prog_bar=True` metrics on the host after every batch in Neuron runs.
 `_LoggerConnector.on_batch_end` rebuilds the metric dictionaries each batch, and `_ResultCollection.metrics` turns
 every progress-bar value into a Python number (`.item()`): a device-to-host sync per step even with the progress bar
-off. While a Neuron strategy says `defer_progress_bar_metrics`, that conversion is skipped and the values stay tensors;
-a host-sync-free progress bar (or the user) converts them when it wants to.
+off. While a Neuron strategy's contract (`lightning_trn.hooks.contract`) says `defer_progress_bar_metrics`, that
+conversion is skipped and the values stay tensors; a host-sync-free progress bar (or the user) converts them when it
+wants to.
 
 2. Skip `_ResultMetric.to(device)` when its tensors are already there. `_ResultCollection.log` calls it on every
 `self.log`, and it walks the whole result object (states, defaults, caches) through `apply_to_collection`: about
@@ -41,15 +42,18 @@ keeps those values, so the next reader finds them on the host.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from torchmetrics import Metric
 
-from lightning_trn.hooks.metric_states import NEURON_DEVICE_TYPES, epoch_values_on_host, place_scalars
+from lightning_trn.core.scalars import NEURON_DEVICE_TYPES, place_scalars
+from lightning_trn.hooks.contract import contract_of
+from lightning_trn.hooks.metric_states import epoch_values_on_host
 
 _DEFER_CONVERSION: ContextVar[bool] = ContextVar("lightning_trn_defer_pbar_conversion", default=False)
 #: `_ResultMetric` attribute: the XLA device its last move went to (None after a move anywhere else)
@@ -75,9 +79,13 @@ def _step_results(trainer: Any) -> list[Any]:
     results = trainer._results
     if results is None or getattr(trainer._logger_connector, "_first_loop_iter", None) is None:
         return []
-    return [result_metric for _, result_metric in results.valid_items()
-            if result_metric.meta.on_step and not result_metric.meta.enable_graph
-            and _on_device(result_metric._forward_cache)]
+    return [
+        result_metric
+        for _, result_metric in results.valid_items()
+        if result_metric.meta.on_step
+        and not result_metric.meta.enable_graph
+        and _on_device(result_metric._forward_cache)
+    ]
 
 
 def values_to_host(trainer: Any, values: dict[str, Any]) -> None:
@@ -91,22 +99,23 @@ def values_to_host(trainer: Any, values: dict[str, Any]) -> None:
     if runtime is None or not names:
         return
     step_results = _step_results(trainer)
-    copies = runtime.to_host([values[name] for name in names]
-                             + [result_metric._forward_cache for result_metric in step_results])
-    for name, copy in zip(names, copies):
+    copies = runtime.to_host(
+        [values[name] for name in names] + [result_metric._forward_cache for result_metric in step_results]
+    )
+    for name, copy in zip(names, copies[: len(names)], strict=True):
         values[name] = copy
-    for result_metric, copy in zip(step_results, copies[len(names):]):
+    for result_metric, copy in zip(step_results, copies[len(names) :], strict=True):
         result_metric._forward_cache = copy
 
 
-def logging_from_host(log_metrics: Any) -> Optional[Callable[..., None]]:
+def logging_from_host(log_metrics: Any) -> Callable[..., None] | None:
     """Hook 5, replacing `_LoggerConnector.log_metrics`: the loggers get the values from host copies fetched in one
     transfer (`values_to_host`), instead of Lightning's one `.item()` per value."""
     if not callable(log_metrics):
         return None
 
     @functools.wraps(log_metrics)
-    def log_metrics_from_host(self: Any, metrics: Any, step: Optional[int] = None) -> None:
+    def log_metrics_from_host(self: Any, metrics: Any, step: int | None = None) -> None:
         if self.trainer.loggers and isinstance(metrics, dict) and metrics:
             metrics = dict(metrics)  # the caller's dictionary stays as it was
             values_to_host(self.trainer, metrics)
@@ -115,7 +124,7 @@ def logging_from_host(log_metrics: Any) -> Optional[Callable[..., None]]:
     return log_metrics_from_host
 
 
-def conversion_unless_deferred(convert: Any) -> Optional[Callable[[Any], Any]]:
+def conversion_unless_deferred(convert: Any) -> Callable[[Any], Any] | None:
     """Hook 1, replacing `result.convert_tensors_to_scalars`: no conversion while `deferring_metrics` says so."""
     if not callable(convert):
         return None
@@ -126,21 +135,27 @@ def conversion_unless_deferred(convert: Any) -> Optional[Callable[[Any], Any]]:
     return convert_unless_deferred
 
 
-def deferring_metrics(metrics_property: Any) -> Optional[property]:
+def deferring_metrics(metrics_property: Any) -> property | None:
     """Hook 1, replacing the `_LoggerConnector.metrics` property: defer the conversion while the strategy says
     `defer_progress_bar_metrics`."""
-    if not isinstance(metrics_property, property):
+    if not isinstance(metrics_property, property) or metrics_property.fget is None:
         return None
+    getter = metrics_property.fget
 
     def metrics(self: Any) -> Any:
         strategy = self.trainer.strategy
-        compute = metrics_property.fget
+        contract = contract_of(strategy)
+        compute = getter
         # across processes, `sync_dist` runs on the device; so do torchmetrics' syncs under a one-process group
         # (`neuron_ddp`/`fsdp` with one device), which the native `neuron` backend refuses on host tensors
-        if (getattr(self, "_first_loop_iter", 0) is None and getattr(strategy, "epoch_values_on_host", False)
-                and getattr(strategy, "world_size", 1) == 1 and not torch.distributed.is_initialized()):
+        if (
+            getattr(self, "_first_loop_iter", 0) is None
+            and contract.epoch_values_on_host
+            and getattr(strategy, "world_size", 1) == 1
+            and not torch.distributed.is_initialized()
+        ):
             compute = _computing_on_host(compute)  # hook 4: epoch-level values
-        if not getattr(strategy, "defer_progress_bar_metrics", False):
+        if not contract.defer_progress_bar_metrics:
             return compute(self)
         token = _DEFER_CONVERSION.set(True)
         try:
@@ -161,7 +176,7 @@ def _computing_on_host(compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return on_host
 
 
-def result_move_shortcut(move: Any) -> Optional[Callable[..., Any]]:
+def result_move_shortcut(move: Any) -> Callable[..., Any] | None:
     """Hook 2, replacing `_ResultMetric.to`: skip a move to the Neuron device the result is already on; on its first
     move there, its 0-dim states go as device buffers (`lightning_trn.hooks.metric_states`)."""
     if not callable(move):
@@ -190,7 +205,7 @@ class _StoredLog:
     result_metric: Any
 
 
-def _call_key(fx: str, name: str, results: Any, value: Any, options: dict[str, Any]) -> Optional[tuple]:
+def _call_key(fx: str, name: str, results: Any, value: Any, options: dict[str, Any]) -> tuple | None:
     """What makes two `self.log` calls equivalent for Lightning's validation; None if not cacheable."""
     if isinstance(value, torch.Tensor):
         kind: tuple = ("tensor", value.device)
@@ -214,7 +229,7 @@ def _storage_key(fx: str, name: str, results: Any, options: dict[str, Any]) -> s
     return key
 
 
-def _update_stored(stored: _StoredLog, value: Any, results: Any, batch_size: Optional[int]) -> bool:
+def _update_stored(stored: _StoredLog, value: Any, results: Any, batch_size: int | None) -> bool:
     """Update an already validated result as Lightning would; False if it cannot be done here (then Lightning logs)."""
     result_metric = stored.result_metric
     device = result_metric.__dict__.get(_MOVED_TO)  # set by the `_ResultMetric.to` shortcut
@@ -232,7 +247,7 @@ def _update_stored(stored: _StoredLog, value: Any, results: Any, batch_size: Opt
     return True
 
 
-def log_fast_path(log: Any) -> Optional[Callable[..., None]]:
+def log_fast_path(log: Any) -> Callable[..., None] | None:
     """Hook 3, replacing `LightningModule.log`; None if this Lightning version lacks the internals it relies on."""
     required = (
         (logger_connector._LoggerConnector, "should_reset_tensors"),
@@ -245,7 +260,7 @@ def log_fast_path(log: Any) -> Optional[Callable[..., None]]:
     @functools.wraps(log)
     def fast_log(self: Any, name: str, value: Any, *args: Any, **options: Any) -> None:
         trainer = self._trainer
-        if args or trainer is None or not getattr(trainer.strategy, "fast_log", False) or self._fabric is not None:
+        if args or trainer is None or not contract_of(trainer.strategy).fast_log or self._fabric is not None:
             return log(self, name, value, *args, **options)
         results, fx = trainer._results, self._current_fx_name
         if results is None or fx is None or torch.compiler.is_compiling():

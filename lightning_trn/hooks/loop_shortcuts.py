@@ -15,7 +15,7 @@ trainer:
    ranks with a host tensor, which Neuron strategies reduce over the host group, instead of a device tensor: on XLA
    Lightning's two comparisons of that device sum are two graphs, compiled and read at the start of the job.
 
-3 and 4 are set on the trainer by `install_run_shortcuts` (`NeuronStrategyMixin.setup`):
+3 and 4 are set on the trainer by `install_run_shortcuts` (`NeuronStrategyBase.setup`):
 
 3. With Lightning's default profiler (`PassThroughProfiler`, which records nothing), `profile()` returns one shared
    `nullcontext` instead of building a generator-based context manager around every hook call.
@@ -29,14 +29,16 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from collections.abc import Mapping
-from typing import Any, Callable, ContextManager, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loops import evaluation_loop, fit_loop, prediction_loop, training_epoch_loop
 from lightning.pytorch.loops.optimization.automatic import ClosureResult, _AutomaticOptimization
 from lightning.pytorch.profilers import PassThroughProfiler
+
+from lightning_trn.hooks.contract import contract_of
 
 #: modules whose per-batch code calls `is_param_in_hook_signature` through their own imported name
 SIGNATURE_CALLERS = (training_epoch_loop, evaluation_loop, prediction_loop)
@@ -46,7 +48,7 @@ _FX_NAME = "_current_fx_name"
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
-def fx_name_setattr(original: Any) -> Optional[Callable[[pl.LightningModule, str, Any], None]]:
+def fx_name_setattr(original: Any) -> Callable[[pl.LightningModule, str, Any], None] | None:
     """Shortcut 1: a `LightningModule.__setattr__` that stores `_current_fx_name` directly; None if Lightning
     defines its own `__setattr__` (`original` is None when it inherits `nn.Module`'s)."""
     if original is not None:
@@ -63,7 +65,7 @@ def fx_name_setattr(original: Any) -> Optional[Callable[[pl.LightningModule, str
     return __setattr__
 
 
-def cached_signature_check(check: Any) -> Optional[Callable[..., bool]]:
+def cached_signature_check(check: Any) -> Callable[..., bool] | None:
     """Shortcut 2: `is_param_in_hook_signature` with its answers kept per function (a method's answer is kept on its
     underlying function)."""
     if not callable(check):
@@ -71,10 +73,10 @@ def cached_signature_check(check: Any) -> Optional[Callable[..., bool]]:
     answers: weakref.WeakKeyDictionary[Callable, dict[tuple, bool]] = weakref.WeakKeyDictionary()
 
     def is_param_in_hook_signature(
-        hook_fx: Callable, param: str, explicit: bool = False, min_args: Optional[int] = None
+        hook_fx: Callable, param: str, explicit: bool = False, min_args: int | None = None
     ) -> bool:
-        bound = type(hook_fx) is types.MethodType
-        function = hook_fx.__func__ if bound else hook_fx  # type: ignore[attr-defined]
+        function = hook_fx.__func__ if isinstance(hook_fx, types.MethodType) else hook_fx
+        bound = function is not hook_fx
         if type(function) is not types.FunctionType:  # callable objects, builtins, partials: not cached
             return check(hook_fx, param, explicit, min_args)
         per_function = answers.setdefault(function, {})
@@ -99,13 +101,13 @@ class _HostRootDevice:
         return getattr(self._strategy, name)
 
 
-def host_length_check(check: Any) -> Optional[Callable[..., bool]]:
+def host_length_check(check: Any) -> Callable[..., bool] | None:
     """Shortcut 5: Lightning's `has_len_all_ranks`, its length sum made on the host for Neuron strategies."""
     if not callable(check):
         return None
 
     def has_len_all_ranks(dataloader: object, strategy: Any, *args: Any, **kwargs: Any) -> bool:
-        if getattr(strategy, "reduces_host_tensors", False):
+        if contract_of(strategy).reduces_host_tensors:
             strategy = _HostRootDevice(strategy)
         return check(dataloader, strategy, *args, **kwargs)
 
@@ -115,7 +117,8 @@ def host_length_check(check: Any) -> Optional[Callable[..., bool]]:
 class _NullContextProfiler(PassThroughProfiler):
     """Lightning's default profiler without the cost: records nothing, and `profile()` allocates nothing."""
 
-    def profile(self, action_name: str) -> ContextManager[None]:  # type: ignore[override]
+    # Lightning annotates `profile` as its base's `@contextmanager` function; callers only enter the context
+    def profile(self, action_name: str) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]  # see above
         return _NULL_CONTEXT
 
 
@@ -135,10 +138,12 @@ class _UnscaledClosureResult(ClosureResult):
 
 def install_run_shortcuts(trainer: pl.Trainer) -> None:
     """Shortcuts 3 and 4 (module docstring) for this trainer's run; a profiler the user chose is kept."""
-    if type(trainer.profiler) is PassThroughProfiler:
+    # Lightning's connectors set `profiler` on the Trainer; its class does not declare it
+    current = trainer.profiler  # type: ignore[attr-defined]  # see above
+    if type(current) is PassThroughProfiler:
         profiler = _NullContextProfiler()
-        profiler.__dict__.update(trainer.profiler.__dict__)  # stage, rank and log dir it was set up with
-        trainer.profiler = profiler
+        profiler.__dict__.update(current.__dict__)  # stage, rank and log dir it was set up with
+        trainer.profiler = profiler  # type: ignore[attr-defined]  # see above
     automatic = trainer.fit_loop.epoch_loop.automatic_optimization
     if isinstance(automatic, _AutomaticOptimization) and automatic.output_result_cls is ClosureResult:
         automatic.output_result_cls = _UnscaledClosureResult

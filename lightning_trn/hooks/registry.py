@@ -1,10 +1,10 @@
 """Every Lightning (and torch) internal that lightning_trn replaces, in one list, and when it is in place.
 
-At `import lightning_trn` (`lightning_trn.hooks.registration`): four `_AcceleratorConnector` methods that choose the
+At `import lightning_trn` (`lightning_trn.registration`): four `_AcceleratorConnector` methods that choose the
 accelerator, strategy and precision, and (`lightning_trn.hooks.throughput`) the peak-FLOPs and compute-dtype lookups of
 `ThroughputMonitor`. They hand every run, device and plugin that is not a Neuron one to Lightning's originals.
 
-For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyMixin.setup` to its `teardown`, after
+For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyBase.setup` to its `teardown`, after
 which Lightning's originals are back, so a CPU or GPU run in the same process runs Lightning's own code. Each saves
 host time or a device sync per step on Neuron and gives Lightning's result (tests/test_logging_fast_path.py,
 tests/test_loop_shortcuts.py), or makes torch's activation checkpointing work on the run's device
@@ -19,28 +19,28 @@ per hook, so those nest inside a Trainer run's.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import lightning
+import torch
+import torch.distributed.tensor._random
+import torch.utils.checkpoint
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loops import _EvaluationLoop, _FitLoop, _PredictionLoop
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from packaging.version import Version
-
-import torch
-import torch.distributed.tensor._random
-import torch.utils.checkpoint
 from torchmetrics import Metric
 
 from lightning_trn.core import dtensor_random
 from lightning_trn.hooks import activation_checkpointing, host_copies, loaders, loop_shortcuts, metric_states
 from lightning_trn.hooks import logging as logging_hooks
 
-#: Lightning versions whose internals the hooks were written and tested against
-TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
+#: Lightning versions whose internals the hooks were written against, as pyproject.toml's range: the suite runs on
+#: 2.6.6; later 2.6 patch releases are let in untested, a new minor release (which may rework the internals) is not
+TESTED_LIGHTNING = (Version("2.6.6"), Version("2.7.0"))
 _ABSENT = object()
 _NOT_INSTALLED = object()
 
@@ -64,8 +64,9 @@ class Hook:
 CHECKPOINT_HOOKS: tuple[Hook, ...] = (
     Hook(torch, "xla", activation_checkpointing.xla_device_module),
     Hook(torch.utils.checkpoint, "_get_device_module", activation_checkpointing.device_module_lookup),
-    Hook(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator",
-         activation_checkpointing.fenced_non_reentrant),
+    Hook(
+        torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", activation_checkpointing.fenced_non_reentrant
+    ),
     Hook(torch.utils.checkpoint, "CheckpointFunction", activation_checkpointing.fenced_reentrant),
 )
 
@@ -84,12 +85,18 @@ HOOKS: tuple[Hook, ...] = (
     Hook(Trainer, "_teardown", host_copies.teardown_in_one_transfer),
     Hook(LightningModule, "log", logging_hooks.log_fast_path),
     Hook(LightningModule, "__setattr__", loop_shortcuts.fx_name_setattr),
-    *(Hook(module, "is_param_in_hook_signature", loop_shortcuts.cached_signature_check)
-      for module in loop_shortcuts.SIGNATURE_CALLERS),
-    *(Hook(module, "has_len_all_ranks", loop_shortcuts.host_length_check)
-      for module in loop_shortcuts.LENGTH_CHECK_CALLERS),
-    *(Hook(loop, "setup_data", loaders.setup_data_showing_user_loaders)
-      for loop in (_FitLoop, _EvaluationLoop, _PredictionLoop)),
+    *(
+        Hook(module, "is_param_in_hook_signature", loop_shortcuts.cached_signature_check)
+        for module in loop_shortcuts.SIGNATURE_CALLERS
+    ),
+    *(
+        Hook(module, "has_len_all_ranks", loop_shortcuts.host_length_check)
+        for module in loop_shortcuts.LENGTH_CHECK_CALLERS
+    ),
+    *(
+        Hook(loop, "setup_data", loaders.setup_data_showing_user_loaders)
+        for loop in (_FitLoop, _EvaluationLoop, _PredictionLoop)
+    ),
     *CHECKPOINT_HOOKS,
     *DTENSOR_RANDOM_HOOKS,
 )

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -42,7 +43,7 @@ PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
 }
 
 
-def peak_flops(chip: str, dtype: torch.dtype, cores_per_device: int = 1) -> Optional[float]:
+def peak_flops(chip: str, dtype: torch.dtype, cores_per_device: int = 1) -> float | None:
     """Dense peak FLOP/s of one device (one process) on `chip` in `dtype`; `cores_per_device`: physical
     NeuronCores per logical core. None for a dtype the table lacks."""
     if chip not in PEAK_FLOPS:
@@ -60,7 +61,7 @@ def _say_no_peak(platform: str) -> None:
     )
 
 
-def device_peak_flops(dtype: torch.dtype) -> Optional[float]:
+def device_peak_flops(dtype: torch.dtype) -> float | None:
     """Peak FLOP/s of this process's NeuronCore in `dtype`, or None (said once) where the chip is unknown."""
     runtime = get_runtime()
     chip = os.environ.get(CHIP_ENV, "").strip().lower() or runtime.chip()
@@ -85,9 +86,9 @@ def _is_neuron_device(device: torch.device) -> bool:
     return device.type == runtime.device_type
 
 
-def _available_flops(original: Callable[..., Optional[int]]) -> Callable[..., Optional[int]]:
+def _available_flops(original: Callable[..., int | None]) -> Callable[..., int | None]:
     @functools.wraps(original)
-    def get_available_flops(device: torch.device, dtype: Union[torch.dtype, str]) -> Optional[int]:
+    def get_available_flops(device: torch.device, dtype: torch.dtype | str) -> int | None:
         if not _is_neuron_device(device):
             return original(device, dtype)
         peak = device_peak_flops(dtype) if isinstance(dtype, torch.dtype) else None
@@ -137,7 +138,7 @@ def _monitor_setup(original: Callable[..., None]) -> Callable[..., None]:
 
 #: (module, attribute, wrapper): the functions `ThroughputMonitor` calls, in Fabric's and the Trainer's modules, and
 #: the Trainer's `ThroughputMonitor.setup`
-_WRAPPED = (
+_WRAPPED: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
     ("lightning.fabric.utilities.throughput", "get_available_flops", _available_flops),
     ("lightning.fabric.utilities.throughput", "_plugin_to_compute_dtype", _compute_dtype),
     ("lightning.pytorch.callbacks.throughput_monitor", "get_available_flops", _available_flops),
@@ -161,5 +162,5 @@ def install_throughput_hooks() -> None:
         if original is None or getattr(original, "_lightning_trn", False):
             continue
         wrapped = wrapper(original)
-        wrapped._lightning_trn = True  # type: ignore[attr-defined]
+        wrapped._lightning_trn = True
         setattr(owner, name, wrapped)

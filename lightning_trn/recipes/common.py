@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
@@ -28,30 +28,39 @@ FRACTION: Check = (lambda v: 0 <= v < 1, "in [0, 1)")
 UNIT_INTERVAL: Check = (lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
-def checked(check: Check) -> Any:
-    """A schema field whose value must pass `check`, e.g. `batch_size: int = checked(POSITIVE)`; no default."""
-    return field(metadata={"check": check})
+def doc(text: str, check: Check | None = None) -> Any:
+    """A schema field with its `--help` text and, if given, a value check beyond the type; no default (the YAML has
+    it), e.g. `batch_size: int = doc("samples per batch", POSITIVE)`. Every field of a schema, sections included,
+    has one: the schema is where a key is explained."""
+    return field(metadata={"help": text} if check is None else {"help": text, "check": check})
 
 
 @dataclass
 class Ops:
     """`ops.*`: the operations callbacks (docs/operations.md)."""
 
-    throughput: bool
-    health_check: bool
+    throughput: bool = doc(
+        "Lightning's ThroughputMonitor: samples/s (and items/s where the recipe counts items, e.g."
+        " tokens), TFLOPS and MFU in metrics.csv"
+    )
+    health_check: bool = doc("NeuronHealthCheck: a device op and the collectives checked on every rank before training")
 
 
 @dataclass
 class RecipeConfig:
-    """The keys every recipe's schema has. Schemas give types and value checks only: the defaults are in the YAML.
-    `trainer` is open: any key, passed to `lightning.pytorch.Trainer` as it is (Lightning checks the values)."""
+    """The keys every recipe's schema has. Schemas give types, value checks and help texts: the defaults are in the
+    YAML. `trainer` is open: any key, passed to `lightning.pytorch.Trainer` as it is (Lightning checks the values)."""
 
-    seed: int
-    out_dir: str
-    ckpt_path: Optional[str]
-    ckpt_every_n_steps: int = checked(NON_NEGATIVE)
-    trainer: dict[str, Any]
-    ops: Ops
+    seed: int = doc("seed of every random generator (seed_everything with workers): weights, data splits, shuffling")
+    out_dir: str = doc("directory of the run: logs/metrics.csv and checkpoints/last.ckpt")
+    ckpt_path: str | None = doc(
+        "resume from this checkpoint (e.g. runs/<recipe>/checkpoints/last.ckpt); null: start afresh"
+    )
+    ckpt_every_n_steps: int = doc(
+        "also write last.ckpt every this many optimizer steps, mid-epoch (0: at epoch ends only)", NON_NEGATIVE
+    )
+    trainer: dict[str, Any] = doc("keyword arguments of lightning.pytorch.Trainer, any key, passed as they are")
+    ops: Ops = doc("operations callbacks (docs/operations.md)")
 
 
 @dataclass(frozen=True)
@@ -73,9 +82,9 @@ class Recipe:
     export: Callable[[Any, Path], None]
     schema: type[RecipeConfig]
     batch_size_fn: Callable[[Any], int] = rows_in_batch
-    length_fn: Optional[Callable[[Any], int]] = None
-    trainer_args: Optional[Callable[[DictConfig], dict[str, Any]]] = None
-    summary: Optional[Callable[[pl.Trainer, pl.LightningModule, pl.LightningDataModule], dict[str, float]]] = None
+    length_fn: Callable[[Any], int] | None = None
+    trainer_args: Callable[[DictConfig], dict[str, Any]] | None = None
+    summary: Callable[[pl.Trainer, pl.LightningModule, pl.LightningDataModule], dict[str, float]] | None = None
     presets: Mapping[str, Sequence[str]] = field(default_factory=dict, hash=False)
 
     @property
@@ -96,12 +105,17 @@ def checkpoint_callbacks(dirpath: Path, every_n_steps: int = 0) -> list[Callback
         return [ModelCheckpoint(dirpath=dirpath, save_last=True)]
     return [
         ModelCheckpoint(dirpath=dirpath, save_last=True, enable_version_counter=False),
-        ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=0, every_n_train_steps=every_n_steps,
-                        enable_version_counter=False),
+        ModelCheckpoint(
+            dirpath=dirpath,
+            save_last=True,
+            save_top_k=0,
+            every_n_train_steps=every_n_steps,
+            enable_version_counter=False,
+        ),
     ]
 
 
-def build_trainer(cfg: DictConfig, recipe: Optional[Recipe] = None) -> pl.Trainer:
+def build_trainer(cfg: DictConfig, recipe: Recipe | None = None) -> pl.Trainer:
     """`Trainer(**cfg.trainer)` writing logs (`metrics.csv`) and checkpoints (`last.ckpt`) under `cfg.out_dir`, with
     the `ops.*` callbacks the config turns on; `recipe` (if given) adds its Trainer arguments and throughput counts."""
     out_dir = Path(cfg.out_dir)
@@ -112,7 +126,7 @@ def build_trainer(cfg: DictConfig, recipe: Optional[Recipe] = None) -> pl.Traine
         callbacks.append(ThroughputMonitor(batch_size_fn=batch_size_fn, length_fn=length_fn))
     if cfg.ops.health_check:
         callbacks.append(NeuronHealthCheck())
-    trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
+    trainer_args = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))  # a mapping section
     if recipe is not None and recipe.trainer_args is not None:
         trainer_args.update(recipe.trainer_args(cfg))
     return pl.Trainer(
@@ -136,7 +150,8 @@ def fit(recipe: Recipe, cfg: DictConfig) -> tuple[pl.LightningModule, dict[str, 
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
     summary = recipe.summary(trainer, model, data) if recipe.summary is not None else {}
     results = trainer.test(model, datamodule=data, verbose=False)[0]
-    checkpoint = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+    callback = trainer.checkpoint_callback
+    checkpoint = callback.last_model_path if isinstance(callback, ModelCheckpoint) else ""
     if trainer.is_global_zero:
         print(f"[{recipe.name}] held-out test: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
         print(f"[{recipe.name}] checkpoint: {checkpoint}")

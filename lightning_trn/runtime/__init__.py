@@ -8,7 +8,6 @@ never import torch_xla elsewhere in the package.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
@@ -24,7 +23,7 @@ from lightning_trn.runtime.native import NativeRuntime
 from lightning_trn.runtime.selection import BACKEND_ENV, select_backend
 from lightning_trn.runtime.xla import XlaRuntime
 
-_requested_backend: Optional[str] = None
+_requested_backend: str | None = None
 
 
 @lru_cache(maxsize=1)
@@ -35,7 +34,7 @@ def get_runtime() -> DeviceRuntime:
     return NativeRuntime() if name == "native" else XlaRuntime()
 
 
-def use_backend(name: Optional[str]) -> DeviceRuntime:
+def use_backend(name: str | None) -> DeviceRuntime:
     """Ask for backend `name` ("xla" / "native"; None: decide from the environment) and return it."""
     global _requested_backend
     if name != _requested_backend:

@@ -11,10 +11,10 @@ import functools
 import operator
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -42,8 +42,9 @@ class RuntimeMetrics:
 
     def _combine(self, other: RuntimeMetrics, op: Callable[[int, int], int]) -> RuntimeMetrics:
         """Every counter of `self` and `other` combined with `op`; fallbacks that come to 0 are dropped."""
-        counts = {f.name: op(getattr(self, f.name), getattr(other, f.name))
-                  for f in fields(self) if f.name != "cpu_fallbacks"}
+        counts = {
+            f.name: op(getattr(self, f.name), getattr(other, f.name)) for f in fields(self) if f.name != "cpu_fallbacks"
+        }
         names = set(self.cpu_fallbacks) | set(other.cpu_fallbacks)
         fallbacks = {n: op(self.cpu_fallbacks.get(n, 0), other.cpu_fallbacks.get(n, 0)) for n in names}
         return RuntimeMetrics(**counts, cpu_fallbacks={n: v for n, v in fallbacks.items() if v})
@@ -112,7 +113,7 @@ class DeviceRuntime(ABC):
         except NeuronUnavailableError:
             return False
 
-    def chip(self) -> Optional[str]:
+    def chip(self) -> str | None:
         """The Trainium generation of this host's NeuronCores ("trn1", "trn2", "trn3"); None off Neuron."""
         return neuron_chip() if self.on_neuron() else None
 
@@ -175,7 +176,7 @@ class DeviceRuntime(ABC):
         layout); False where the backend records through `torch.profiler` instead."""
         return False
 
-    def stop_trace(self) -> None:
+    def stop_trace(self) -> None:  # noqa: B027  (a no-op where start_trace records nothing)
         """Stop the trace `start_trace` started and write it."""
 
     @abstractmethod
@@ -200,7 +201,7 @@ class DeviceRuntime(ABC):
     #: common-subexpression elimination), so the recompute is fenced with `optimization_barrier_`
     fences_recompute: bool = False
 
-    def optimization_barrier_(self, tensors: list[torch.Tensor]) -> None:
+    def optimization_barrier_(self, tensors: list[torch.Tensor]) -> None:  # noqa: B027  (eager backends need no fence)
         """Fence `tensors` in place so the compiler cannot merge work computed from them with work computed before
         (an activation-checkpointing recompute with the original forward); nothing on eager backends."""
 
@@ -252,8 +253,14 @@ class DeviceRuntime(ABC):
         """Persistent compile-cache lookups in this process: `hits`, `misses`, `unloadable` (found but not usable)."""
         return {}
 
-    def configure_process(
-        self, *, global_rank: int, local_rank: int, world_size: int, local_world_size: int, main_address: str,
+    def configure_process(  # noqa: B027  (a backend that needs no per-worker environment keeps this no-op)
+        self,
+        *,
+        global_rank: int,
+        local_rank: int,
+        world_size: int,
+        local_world_size: int,
+        main_address: str,
         env: EnvironmentPatch,
     ) -> None:
         """Set this worker's device environment for a data-parallel job; call before the device is first used."""

@@ -7,7 +7,8 @@ processes, so they run in a gloo process group on host copies. Every rank must c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional, TypeVar, Union
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 import torch
 from torch.distributed import ReduceOp
@@ -21,7 +22,7 @@ _Item = TypeVar("_Item")
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
-def reduce_op_name(op: Union[str, Any, None]) -> str:
+def reduce_op_name(op: str | Any | None) -> str:
     """Normalise `"sum"`/`"mean"`/`"avg"`/`"max"`/`"min"` or a `torch.distributed.ReduceOp` to a name in REDUCE_OPS."""
     if op is None:
         return "mean"
@@ -36,16 +37,24 @@ def reduce_op_name(op: Union[str, Any, None]) -> str:
     return name
 
 
+@overload
+def buckets(items: list[torch.Tensor], cap: int = BUCKET_BYTES) -> list[list[torch.Tensor]]: ...
+@overload
 def buckets(
-    items: list[_Item], cap: int = BUCKET_BYTES, tensor: Callable[[_Item], torch.Tensor] = lambda item: item
-) -> list[list[_Item]]:
-    """Split `items` into runs whose tensors (`tensor(item)`) share a dtype and hold at most ~`cap` bytes, in order."""
-    runs: list[list[_Item]] = []
+    items: list[_Item], cap: int = BUCKET_BYTES, *, tensor: Callable[[_Item], torch.Tensor]
+) -> list[list[_Item]]: ...
+def buckets(
+    items: list[Any], cap: int = BUCKET_BYTES, *, tensor: Callable[[Any], torch.Tensor] | None = None
+) -> list[list[Any]]:
+    """Split `items` into runs whose tensors (`tensor(item)`, or the items themselves) share a dtype and hold at most
+    ~`cap` bytes, in order."""
+    measure = tensor or (lambda item: item)
+    runs: list[list[Any]] = []
     size = 0
     for item in items:
-        value = tensor(item)
+        value = measure(item)
         nbytes = value.numel() * value.element_size()
-        if not runs or tensor(runs[-1][0]).dtype != value.dtype or size + nbytes > cap:
+        if not runs or measure(runs[-1][0]).dtype != value.dtype or size + nbytes > cap:
             runs.append([])
             size = 0
         runs[-1].append(item)
@@ -80,8 +89,7 @@ class Collectives(ABC):
 
     @abstractmethod
     def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rank r's row of `rows` (shape `[world_size, n]`) averaged over all processes: a new tensor of shape `[n]`.
-        """
+        """Rank r's row of `rows` (shape `[world_size, n]`) averaged over all processes: a new tensor of shape `[n]`."""
 
     @abstractmethod
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -91,7 +99,7 @@ class Collectives(ABC):
     def broadcast_(self, tensors: list[torch.Tensor], src: int) -> None:
         """Overwrite `tensors` in place with rank `src`'s values."""
 
-    def metric_sync_fn(self) -> Optional[Callable[..., list[torch.Tensor]]]:
+    def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]] | None:
         """The gather torchmetrics should use for metric states, or None where its default (the default process
         group) already handles device tensors."""
         return None

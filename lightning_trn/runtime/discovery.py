@@ -11,8 +11,8 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
 
 #: Where the Neuron driver exposes one directory per Neuron device (Neuron sysfs user guide).
 NEURON_SYSFS_ROOT = "/sys/devices/virtual/neuron_device"
@@ -95,7 +95,7 @@ def physical_core_count() -> int:
     return sum(_device_core_counts())
 
 
-def logical_core_config(env: Optional[dict[str, str]] = None, counts: Optional[list[int]] = None) -> int:
+def logical_core_config(env: Mapping[str, str] | None = None, counts: list[int] | None = None) -> int:
     """Physical NeuronCores per logical core on Trainium2/3 devices: `NEURON_LOGICAL_NC_CONFIG`, else the runtime's
     default of 2 there. Trainium1 and Inferentia2 have no logical grouping (1). `counts`: `_device_core_counts()`."""
     env = os.environ if env is None else env
@@ -104,12 +104,13 @@ def logical_core_config(env: Optional[dict[str, str]] = None, counts: Optional[l
         counts = _device_core_counts() if counts is None else counts
         return DEFAULT_LNC if any(c >= LNC_DEVICE_CORES for c in counts) else 1
     if value not in ("1", "2"):
-        raise ValueError(f"Invalid {LNC_ENV}={value!r}: the Neuron runtime accepts 1 or 2 (physical cores per "
-                         "logical NeuronCore).")
+        raise ValueError(
+            f"Invalid {LNC_ENV}={value!r}: the Neuron runtime accepts 1 or 2 (physical cores per logical NeuronCore)."
+        )
     return int(value)
 
 
-def visible_core_count(env: Optional[dict[str, str]] = None) -> tuple[int, str]:
+def visible_core_count(env: Mapping[str, str] | None = None) -> tuple[int, str]:
     """Logical NeuronCores this job may use, honouring `NEURON_RT_VISIBLE_CORES` (logical core ids) then
     `NEURON_RT_NUM_CORES`. A Trainium2/3 device (8 physical cores in sysfs) counts 8 / `logical_core_config()`;
     devices with fewer cores (Trainium1, Inferentia2) count as they are."""
@@ -129,7 +130,7 @@ def visible_core_count(env: Optional[dict[str, str]] = None) -> tuple[int, str]:
     return logical, f"{logical} logical NeuronCores ({physical} physical under {NEURON_SYSFS_ROOT}, {LNC_ENV}={lnc})"
 
 
-def detect_platform(env: Optional[dict[str, str]] = None) -> Platform:
+def detect_platform(env: Mapping[str, str] | None = None) -> Platform:
     """Decide the platform: real NeuronCores, or XLA:CPU when the user asked for it with `PJRT_DEVICE=CPU`.
 
     Raises:
@@ -163,7 +164,7 @@ def detect_platform(env: Optional[dict[str, str]] = None) -> Platform:
     )
 
 
-def neuron_chip() -> Optional[str]:
+def neuron_chip() -> str | None:
     """This host's Trainium generation ("trn1", "trn2", "trn3") from the driver's sysfs; None when there is none."""
     try:
         with open(CHIP_NAME_FILE) as f:

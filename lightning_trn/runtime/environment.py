@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -20,15 +19,20 @@ NEURON_COMPILE_CACHE_URL = "NEURON_COMPILE_CACHE_URL"
 
 #: short compiler spellings and the long option they stand for
 _CC_ALIASES = {"-O1": ("--optlevel", "1"), "-O2": ("--optlevel", "2"), "-O3": ("--optlevel", "3")}
-_CC_NAME_ALIASES = {"-O": "--optlevel", "--auto_cast": "--auto-cast", "--auto_cast_type": "--auto-cast-type",
-                    "--model_type": "--model-type", "--cache-dir": "--cache_dir"}
+_CC_NAME_ALIASES = {
+    "-O": "--optlevel",
+    "--auto_cast": "--auto-cast",
+    "--auto_cast_type": "--auto-cast-type",
+    "--model_type": "--model-type",
+    "--cache-dir": "--cache_dir",
+}
 
 
 class EnvironmentPatch:
     """Sets environment variables for the runtime, never overriding a value the user set, and restores them."""
 
     def __init__(self) -> None:
-        self._saved: dict[str, Optional[str]] = {}
+        self._saved: dict[str, str | None] = {}
 
     def set_default(self, name: str, value: str) -> bool:
         """Set `name` unless the user already set it; returns whether our value is now in force."""
@@ -55,14 +59,14 @@ class EnvironmentPatch:
         self._saved.clear()
 
 
-def parse_cc_flags(flags: str) -> list[tuple[str, Optional[str]]]:
+def parse_cc_flags(flags: str) -> list[tuple[str, str | None]]:
     """Split a `NEURON_CC_FLAGS` string into `(option, value)` pairs with canonical option names.
 
     `--optlevel=1`, `--optlevel 1`, `-O1` and `-O 1` all become `("--optlevel", "1")`; a bare switch such as
     `--retry_failed_compilation` has value None.
     """
     tokens = shlex.split(flags)
-    pairs: list[tuple[str, Optional[str]]] = []
+    pairs: list[tuple[str, str | None]] = []
     i = 0
     while i < len(tokens):
         token = tokens[i]
@@ -83,12 +87,12 @@ def parse_cc_flags(flags: str) -> list[tuple[str, Optional[str]]]:
     return pairs
 
 
-def format_cc_flags(pairs: list[tuple[str, Optional[str]]]) -> str:
+def format_cc_flags(pairs: list[tuple[str, str | None]]) -> str:
     """Inverse of `parse_cc_flags`: `--name=value` for options with a value, bare switches as they are."""
     return " ".join(shlex.quote(name if value is None else f"{name}={value}") for name, value in pairs)
 
 
-def cc_flag_value(flags: str, name: str) -> Optional[str]:
+def cc_flag_value(flags: str, name: str) -> str | None:
     """The value given for option `name` in a flags string (`""` for a bare switch), or None if absent."""
     for option, value in parse_cc_flags(flags):
         if option == name:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.Re
 class HostCollectives(Collectives):
     """Copies to the host, runs the gloo collective in `group` (None: the default group), copies back."""
 
-    def __init__(self, world_size: int, group: Optional[Any] = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, world_size: int, group: Any | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
         super().__init__(world_size)
         self._group = group
         self._bucket_bytes = bucket_bytes
@@ -33,7 +34,7 @@ class HostCollectives(Collectives):
             flat = self._stage(_flatten_dense_tensors([t.detach() for t in bucket]))
             collective(flat)
             flat = flat.to(bucket[0].device)
-            for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 tensor.copy_(value)
 
     def reduce_gradients(self, gradients: list[torch.Tensor]) -> None:
@@ -64,7 +65,7 @@ class HostCollectives(Collectives):
         dist.all_gather(gathered, host, group=self._group)
         return torch.stack(gathered).to(tensor.device)
 
-    def gather(self, tensor: torch.Tensor, dst: int) -> Optional[torch.Tensor]:
+    def gather(self, tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
         """Every rank's `tensor` stacked (`[world_size, ...]`, on the host) on rank `dst`, None on the others: unlike
         `all_gather`, only `dst` ever holds them all (a checkpoint's state gathered to the rank that writes it)."""
         host = self._stage(tensor.detach()).contiguous()
@@ -79,11 +80,11 @@ class HostCollectives(Collectives):
         with torch.no_grad():
             self._in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=self._group))
 
-    def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]]:
+    def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]] | None:
         """torchmetrics gathers over the default group, here gloo, which takes host tensors only: gather host copies
         (torchmetrics' own gather, so states of different sizes per rank still work) and move them back."""
 
-        def gather(tensor: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
+        def gather(tensor: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
             from torchmetrics.utilities.distributed import gather_all_tensors
 
             host = gather_all_tensors(tensor.detach().cpu(), group if group is not None else self._group)

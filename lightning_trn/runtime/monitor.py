@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,11 @@ class MonitorStream:
     def __init__(self, command: Sequence[str]) -> None:
         self._latest: dict[str, Any] = {}
         self._process = subprocess.Popen(
-            list(command), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+            list(command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
         )
         self._reader = threading.Thread(target=self._read, name="lightning_trn-neuron-monitor", daemon=True)
         self._reader.start()
@@ -86,7 +90,7 @@ class MonitorStream:
 
 
 @functools.lru_cache(maxsize=1)  # one stream per process, looked for once
-def _stream() -> Optional[MonitorStream]:
+def _stream() -> MonitorStream | None:
     executable = shutil.which(MONITOR_EXECUTABLE)
     if executable is None:
         return None
@@ -98,8 +102,9 @@ def _stream() -> Optional[MonitorStream]:
     try:
         stream = MonitorStream([executable, "-c", config])
     except OSError as err:  # not executable, or no resources: device stats go on without it
-        log.warning("lightning_trn: could not start %s (%s); no NeuronCore utilization in the device stats.",
-                    executable, err)
+        log.warning(
+            "lightning_trn: could not start %s (%s); no NeuronCore utilization in the device stats.", executable, err
+        )
         return None
     atexit.register(stream.close)
     return stream

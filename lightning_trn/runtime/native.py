@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, cast
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -21,7 +21,7 @@ from lightning_trn.runtime.host_collectives import HostCollectives
 from lightning_trn.runtime.selection import native_device_available
 
 
-def _standin() -> Optional[ModuleType]:
+def _standin() -> ModuleType | None:
     """The stand-in's module when it is this process's `neuron` device (never imported from here: that loads it)."""
     module = sys.modules.get("lightning_trn.standin")
     return module if module is not None and module.is_loaded() else None
@@ -48,7 +48,7 @@ class NativeRuntime(DeviceRuntime):
     cpu_platform = "the CPU stand-in"
 
     def __init__(self) -> None:
-        self._platform: Optional[Platform] = None
+        self._platform: Platform | None = None
 
     def is_installed(self) -> bool:
         return native_device_available()
@@ -106,8 +106,11 @@ class NativeRuntime(DeviceRuntime):
             return RuntimeMetrics(compiles=compiles, cpu_fallbacks=_torchneuron_fallbacks())
         counts = standin.counters()
         return RuntimeMetrics(
-            compiles=compiles, device_to_host=counts["device_to_host"], host_to_device=counts["host_to_device"],
-            scalar_reads=counts["scalar_reads"], host_syncs=counts["host_syncs"],
+            compiles=compiles,
+            device_to_host=counts["device_to_host"],
+            host_to_device=counts["host_to_device"],
+            scalar_reads=counts["scalar_reads"],
+            host_syncs=counts["host_syncs"],
             cpu_fallbacks=standin.host_op_counts(),
         )
 
@@ -116,7 +119,8 @@ class NativeRuntime(DeviceRuntime):
 
     def compile(self, module: torch.nn.Module, *, fullgraph: bool) -> torch.nn.Module:
         """TorchNeuron's `torch.compile` backend (the stand-in registers one of the same name)."""
-        return torch.compile(module, backend="neuron", fullgraph=fullgraph, dynamic=False)
+        # a module compiles to an `OptimizedModule`; torch's annotations only say "a callable"
+        return cast(torch.nn.Module, torch.compile(module, backend="neuron", fullgraph=fullgraph, dynamic=False))
 
     def manual_seed(self, seed: int) -> None:
         torch.get_device_module(self.device_type).manual_seed_all(seed)
@@ -128,7 +132,13 @@ class NativeRuntime(DeviceRuntime):
         return True
 
     def configure_process(
-        self, *, global_rank: int, local_rank: int, world_size: int, local_world_size: int, main_address: str,
+        self,
+        *,
+        global_rank: int,
+        local_rank: int,
+        world_size: int,
+        local_world_size: int,
+        main_address: str,
         env: EnvironmentPatch,
     ) -> None:
         """One NeuronCore per process: device `local_rank` of those torch sees. When the launcher already gave each

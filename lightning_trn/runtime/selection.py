@@ -7,7 +7,6 @@ torch_xla or starts a device.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -22,7 +21,7 @@ def native_device_available() -> bool:
     return torch._C._get_privateuse1_backend_name() == "neuron"
 
 
-def select_backend(requested: Optional[str] = None) -> tuple[str, str]:
+def select_backend(requested: str | None = None) -> tuple[str, str]:
     """The backend to use and why (for the log line): `requested`, else `LIGHTNING_TRN_BACKEND`, else what is there.
 
     Raises:

@@ -12,8 +12,7 @@ import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
-from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -23,6 +22,7 @@ from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
 from lightning_trn.runtime.collectives import Collectives
 from lightning_trn.runtime.discovery import CPU, Platform, detect_platform, torch_xla_installed
 from lightning_trn.runtime.environment import NEURON_COMPILE_CACHE_URL, EnvironmentPatch
+from lightning_trn.runtime.xla_import import import_xla
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +32,11 @@ _SCALAR_READ_COUNTER = "aten::_local_scalar_dense"
 #: torch_xla's persistent-cache counters. XLA:CPU finds entries but cannot load them ("Deserializing serialized
 #: executable not supported"), so there a warm lookup counts as `unloadable` and the graph is compiled again.
 _XLA_CACHE_PATH = "XLA_PERSISTENT_CACHE_PATH"
-_CACHE_COUNTERS = {"hits": "PersistentCacheHit", "misses": "PersistentCacheMiss",
-                   "unloadable": "PersistentCacheDeserializeFailure"}
-
-
-def _import(module: str) -> ModuleType:
-    """Import a torch_xla module, turning a missing install into the package's explanatory error."""
-    if module in sys.modules:
-        return sys.modules[module]
-    if not torch_xla_installed():
-        detect_platform()  # raises NeuronUnavailableError naming the fix
-    import importlib
-
-    return importlib.import_module(module)
+_CACHE_COUNTERS = {
+    "hits": "PersistentCacheHit",
+    "misses": "PersistentCacheMiss",
+    "unloadable": "PersistentCacheDeserializeFailure",
+}
 
 
 class _TensorSlot:
@@ -57,7 +49,7 @@ class _TensorSlot:
 
 
 #: the `AutocastXLA` kernel of `scaled_dot_product_attention`, registered once per process (None: not yet)
-_AUTOCAST_ATTENTION: Optional[torch.library.Library] = None
+_AUTOCAST_ATTENTION: torch.library.Library | None = None
 
 
 def _register_autocast_attention() -> None:
@@ -68,19 +60,35 @@ def _register_autocast_attention() -> None:
     global _AUTOCAST_ATTENTION
     if _AUTOCAST_ATTENTION is not None:
         return
-    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                  enable_gqa: bool = False) -> torch.Tensor:
+
+    def attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
         dtype = torch.get_autocast_dtype("xla")
 
-        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
-            return t.to(dtype) if eligible else t
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is not None and t.is_floating_point() and t.dtype != torch.float64:
+                return t.to(dtype)
+            return t
 
         with torch.autocast("xla", enabled=False):
             return torch.ops.aten.scaled_dot_product_attention(
-                cast(query), cast(key), cast(value), cast(attn_mask), dropout_p, is_causal, scale=scale,
-                enable_gqa=enable_gqa)
+                cast(query),
+                cast(key),
+                cast(value),
+                cast(attn_mask),
+                dropout_p,
+                is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
 
     library = torch.library.Library("aten", "IMPL")
     library.impl("scaled_dot_product_attention", attention, "AutocastXLA")
@@ -130,11 +138,11 @@ class _XlaDeviceModule:
 
     @staticmethod
     def get_rng_state(device: Any = None) -> int:
-        return _import("torch_xla.core.xla_model").get_rng_state()
+        return import_xla("torch_xla.core.xla_model").get_rng_state()
 
     @staticmethod
     def set_rng_state(state: Any, device: Any = None) -> None:
-        _import("torch_xla.core.xla_model").set_rng_state(int(state))
+        import_xla("torch_xla.core.xla_model").set_rng_state(int(state))
 
 
 class XlaRuntime(DeviceRuntime):
@@ -147,7 +155,7 @@ class XlaRuntime(DeviceRuntime):
     runtime_rounds_bf16 = True
 
     def __init__(self) -> None:
-        self._platform: Optional[Platform] = None
+        self._platform: Platform | None = None
 
     def is_installed(self) -> bool:
         return torch_xla_installed()
@@ -160,19 +168,19 @@ class XlaRuntime(DeviceRuntime):
         return self._platform
 
     def device(self) -> torch.device:
-        torch_xla = _import("torch_xla")
+        torch_xla = import_xla("torch_xla")
         return torch_xla.device()
 
     def sync(self, wait: bool = False) -> None:
         """Cut and launch the graph. `reset_scope=False`: a profiler trace (`XLAProfiler`'s `xp.Trace`/`StepTrace`)
         may be open around the step being cut; its scope is IR metadata only, and the trace resets it at its exit."""
-        _import("torch_xla").sync(wait=wait, reset_scope=False)
+        import_xla("torch_xla").sync(wait=wait, reset_scope=False)
 
     def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
         """`MpDeviceLoader` on the batches' tensors only: it would turn tuples, namedtuples, dict subclasses and
         dataclasses into lists and dicts, so each batch's containers travel beside it and are rebuilt around the
         device tensors, as Lightning's own transfer keeps them."""
-        parallel_loader = _import("torch_xla.distributed.parallel_loader")
+        parallel_loader = import_xla("torch_xla.distributed.parallel_loader")
         skeletons: deque = deque()  # filled by the loader's background thread, in batch order
 
         def tensors_only() -> Iterator[list[torch.Tensor]]:
@@ -191,7 +199,7 @@ class XlaRuntime(DeviceRuntime):
         """One transfer for all of them (what `xm.save` does), instead of one `.cpu()` per tensor."""
         if not tensors:
             return []
-        return list(_import("torch_xla")._XLAC._xla_get_cpu_tensors([t.detach() for t in tensors]))
+        return list(import_xla("torch_xla")._XLAC._xla_get_cpu_tensors([t.detach() for t in tensors]))
 
     def to_device(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         """`send_cpu_data_to_device` (as `MpDeviceLoader`), not `.to()`: torch_xla keeps a 0-dim tensor holding 0 or
@@ -199,10 +207,11 @@ class XlaRuntime(DeviceRuntime):
         takes the step's result as an input: one compile more."""
         if not tensors:
             return []
-        return list(_import("torch_xla.core.xla_model").send_cpu_data_to_device([t.detach() for t in tensors], device))
+        xm = import_xla("torch_xla.core.xla_model")
+        return list(xm.send_cpu_data_to_device([t.detach() for t in tensors], device))
 
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
-        xm = _import("torch_xla.core.xla_model")
+        xm = import_xla("torch_xla.core.xla_model")
         try:
             return dict(xm.get_memory_info(device))
         except RuntimeError:  # XLA:CPU: "GetAllocatorStats is not supported"
@@ -211,14 +220,14 @@ class XlaRuntime(DeviceRuntime):
     def start_trace(self, log_dir: str) -> bool:
         """torch_xla's profiler session (`xp.start_trace`): host and device activity, written by `stop_trace` as
         TensorBoard's `plugins/profile/<run>/<host>.xplane.pb` (and `.trace.json.gz`)."""
-        _import("torch_xla.debug.profiler").start_trace(log_dir)
+        import_xla("torch_xla.debug.profiler").start_trace(log_dir)
         return True
 
     def stop_trace(self) -> None:
-        _import("torch_xla.debug.profiler").stop_trace()
+        import_xla("torch_xla.debug.profiler").stop_trace()
 
     def metrics(self) -> RuntimeMetrics:
-        met = _import("torch_xla.debug.metrics")
+        met = import_xla("torch_xla.debug.metrics")
 
         def count(metric: str) -> int:
             data = met.metric_data(metric)
@@ -240,12 +249,12 @@ class XlaRuntime(DeviceRuntime):
         )
 
     def autocast(self, dtype: torch.dtype) -> AbstractContextManager:
-        _import("torch_xla")
+        import_xla("torch_xla")
         _register_autocast_attention()
         return torch.autocast("xla", dtype=dtype)
 
     def manual_seed(self, seed: int) -> None:
-        _import("torch_xla.core.xla_model").set_rng_state(seed)
+        import_xla("torch_xla.core.xla_model").set_rng_state(seed)
 
     fences_recompute = True
 
@@ -255,18 +264,20 @@ class XlaRuntime(DeviceRuntime):
 
     def optimization_barrier_(self, tensors: list[torch.Tensor]) -> None:
         if tensors:
-            _import("torch_xla.core.xla_model").optimization_barrier_(tensors)
+            import_xla("torch_xla.core.xla_model").optimization_barrier_(tensors)
 
     def world_size(self) -> int:
-        return int(_import("torch_xla.runtime").world_size())
+        return int(import_xla("torch_xla.runtime").world_size())
 
     def supports_cross_process_collectives(self) -> bool:
         return self.detect_platform().kind != CPU
 
     def compile(self, module: torch.nn.Module, *, fullgraph: bool) -> torch.nn.Module:
         """Unchanged: every training step is already traced and compiled as one graph."""
-        rank_zero_info("lightning_trn.compile: the XLA backend already compiles each training step as one graph; the "
-                       "module is returned unchanged.")
+        rank_zero_info(
+            "lightning_trn.compile: the XLA backend already compiles each training step as one graph; the "
+            "module is returned unchanged."
+        )
         return module
 
     def enable_compile_cache(self, path: str) -> bool:
@@ -280,17 +291,23 @@ class XlaRuntime(DeviceRuntime):
             return True
         if os.environ.get(_XLA_CACHE_PATH) == path:  # torch_xla reads it when its compile cache starts
             return True
-        if _import("torch_xla")._XLAC._xla_computation_cache_is_initialized():
+        if import_xla("torch_xla")._XLAC._xla_computation_cache_is_initialized():
             return False
-        _import("torch_xla.runtime").initialize_cache(path, readonly=False)
+        import_xla("torch_xla.runtime").initialize_cache(path, readonly=False)
         return True
 
     def compile_cache_counters(self) -> dict[str, int]:
-        met = _import("torch_xla.debug.metrics")
+        met = import_xla("torch_xla.debug.metrics")
         return {key: int(met.counter_value(counter) or 0) for key, counter in _CACHE_COUNTERS.items()}
 
     def configure_process(
-        self, *, global_rank: int, local_rank: int, world_size: int, local_world_size: int, main_address: str,
+        self,
+        *,
+        global_rank: int,
+        local_rank: int,
+        world_size: int,
+        local_world_size: int,
+        main_address: str,
         env: EnvironmentPatch,
     ) -> None:
         """Neuron: one NeuronCore per process and the PJRT ranks torch_xla would set under torchrun (neuron_env.py)."""
@@ -299,11 +316,15 @@ class XlaRuntime(DeviceRuntime):
         from lightning_trn.runtime.neuron_env import neuron_process_env
 
         updates = neuron_process_env(
-            os.environ, global_rank=global_rank, local_rank=local_rank, world_size=world_size,
-            local_world_size=local_world_size, main_address=main_address,
+            os.environ,
+            global_rank=global_rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            main_address=main_address,
         )
         changes = {name: value for name, value in updates.items() if os.environ.get(name) != value}
-        if changes and "torch_xla" in sys.modules and _import("torch_xla")._XLAC._xla_runtime_is_initialized():
+        if changes and "torch_xla" in sys.modules and import_xla("torch_xla")._XLAC._xla_runtime_is_initialized():
             raise RuntimeError(
                 f"The XLA runtime started before this data-parallel worker could claim its NeuronCore (it still needs "
                 f"{sorted(changes)}), e.g. because a tensor was moved to the XLA device before `trainer.fit`. Do not "
@@ -316,7 +337,7 @@ class XlaRuntime(DeviceRuntime):
         """`xla` (torch_xla's ProcessGroupXla over `xm` collectives) on Neuron; `gloo` on XLA:CPU."""
         if not self.supports_cross_process_collectives():
             return "gloo"
-        _import("torch_xla.distributed.xla_backend")  # registers the "xla" backend with torch.distributed
+        import_xla("torch_xla.distributed.xla_backend")  # registers the "xla" backend with torch.distributed
         return "xla"
 
     def collectives(self, world_size: int, group: Any = None) -> Collectives:

@@ -7,7 +7,7 @@ import os
 import torch
 
 from lightning_trn.runtime.collectives import Collectives, reduce_op_name
-from lightning_trn.runtime.xla import _import
+from lightning_trn.runtime.xla_import import import_xla
 
 
 class XlaCollectives(Collectives):
@@ -15,7 +15,7 @@ class XlaCollectives(Collectives):
 
     def reduce_gradients(self, gradients: list[torch.Tensor]) -> None:
         """What `xm.reduce_gradients` does, bucketed by `ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB` (Neuron default 50)."""
-        xm = _import("torch_xla.core.xla_model")
+        xm = import_xla("torch_xla.core.xla_model")
         bucket_mb = int(os.environ.get("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", "0") or 0)
         scale = 1.0 / self.world_size
         if bucket_mb > 0:
@@ -27,22 +27,22 @@ class XlaCollectives(Collectives):
             xm.all_reduce(xm.REDUCE_SUM, gradients, scale=scale)
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        xm = _import("torch_xla.core.xla_model")
+        xm = import_xla("torch_xla.core.xla_model")
         name = reduce_op_name(op)
         kinds = {"sum": xm.REDUCE_SUM, "mean": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
         value = tensor if name != "mean" or tensor.is_floating_point() else tensor.float()
         return xm.all_reduce(kinds[name], value, scale=1.0 / self.world_size if name == "mean" else 1.0)
 
     def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
-        xm = _import("torch_xla.core.xla_model")
+        xm = import_xla("torch_xla.core.xla_model")
         mine = xm.reduce_scatter(
             xm.REDUCE_SUM, rows, scale=1.0 / self.world_size, scatter_dim=0, shard_count=self.world_size
         )
         return mine.squeeze(0)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        xm = _import("torch_xla.core.xla_model")
+        xm = import_xla("torch_xla.core.xla_model")
         return xm.all_gather(tensor.unsqueeze(0), dim=0)
 
     def broadcast_(self, tensors: list[torch.Tensor], src: int) -> None:
-        _import("torch_xla.core.xla_model").collective_broadcast(tensors, root_ordinal=src)
+        import_xla("torch_xla.core.xla_model").collective_broadcast(tensors, root_ordinal=src)

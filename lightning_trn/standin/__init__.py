@@ -21,7 +21,6 @@ import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Optional
 
 import torch
 
@@ -34,7 +33,7 @@ DEVICES_ENV = "LIGHTNING_TRN_STANDIN_DEVICES"
 #: Environment variable: comma-separated ops (`aten::median,aten::nonzero`) to run as CPU-fallback ops (`host_ops`).
 HOST_OPS_ENV = "LIGHTNING_TRN_STANDIN_HOST_OPS"
 
-_ext: Optional[ModuleType] = None
+_ext: ModuleType | None = None
 
 
 def _refuse_on_neuron_host() -> None:
@@ -90,7 +89,7 @@ def _release_finished_backward_tasks() -> None:
     """
     from torch.autograd import Variable
 
-    for index in range(torch.neuron.device_count()):
+    for index in range(torch.get_device_module("neuron").device_count()):
         leaf = torch.zeros((), device=torch.device("neuron", index), requires_grad=True)
         try:
             Variable._execution_engine.run_backward((leaf * 1,), (torch.ones_like(leaf),), False, False, (), True, True)
@@ -104,7 +103,7 @@ def load() -> ModuleType:
     """Build (first time only) and install the stand-in; returns the `torch.neuron` module. Idempotent."""
     global _ext
     if _ext is not None:
-        return torch.neuron
+        return torch.get_device_module("neuron")
     _refuse_on_neuron_host()
     count = _device_count()
     from lightning_trn.standin import _build, compile, device, distributed
@@ -121,7 +120,7 @@ def load() -> ModuleType:
     compile.register()
     atexit.register(_release_finished_backward_tasks)
     _ext = ext
-    return torch.neuron
+    return torch.get_device_module("neuron")
 
 
 def is_loaded() -> bool:
@@ -187,7 +186,14 @@ def strict() -> Iterator[None]:
 
 
 __all__ = [
-    "StandinError", "counters", "fallback_counts", "host_op_counts", "host_ops", "is_loaded", "load", "reset_counters",
+    "StandinError",
+    "counters",
+    "fallback_counts",
+    "host_op_counts",
+    "host_ops",
+    "is_loaded",
+    "load",
+    "reset_counters",
     "strict",
 ]
 

@@ -5,7 +5,8 @@ the stand-in device, so what it proves is the capture (graph breaks, recompiles,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import fx

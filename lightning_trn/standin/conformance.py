@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import itertools
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 from unittest import mock
 
 import torch
@@ -77,7 +78,7 @@ class Result:
     skips: list[str] = field(default_factory=list)  # why runs were not compared
     notes: list[str] = field(default_factory=list)  # how runs that passed were compared, where it is not plain
 
-    def record(self, where: str, outcome: Optional[tuple[str, str]]) -> None:
+    def record(self, where: str, outcome: tuple[str, str] | None) -> None:
         """Fold one run's outcome (None: compared equal) into the verdict; the first failure's message is kept."""
         status, message = outcome or (PASS, "")
         if status == SKIPPED:
@@ -180,7 +181,7 @@ def _names_cpu(value: Any) -> bool:
     """Whether `value` holds a CPU tensor (such as `tensor_split`'s indices) or names the CPU device."""
     if isinstance(value, torch.Tensor):
         return value.device.type == "cpu"
-    if isinstance(value, torch.device) or isinstance(value, str):
+    if isinstance(value, (torch.device, str)):
         return str(value).split(":")[0] == "cpu"
     if isinstance(value, dict):
         return any(_names_cpu(v) for v in value.values())
@@ -192,7 +193,7 @@ def _result_devices(value: Any) -> tuple[str, ...]:
     return ANY if _names_cpu(value) else (DEVICE,)
 
 
-def _storage_index(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Optional[int]:
+def _storage_index(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> int | None:
     """Which input `t` shares memory with (a view, or the input itself), if any."""
     if not inputs or t.layout != torch.strided or t._is_zerotensor() or t.untyped_storage().nbytes() == 0:
         return None
@@ -211,12 +212,17 @@ def _first_lines(message: str, count: int = 3) -> str:
 
 def _significant_strides(t: torch.Tensor) -> list[int]:
     """The strides that matter: those of dimensions longer than 1."""
-    return [s for s, n in zip(t.stride(), t.size()) if n > 1]
+    return [s for s, n in zip(t.stride(), t.size(), strict=True) if n > 1]
 
 
 def _compare_tensor(
-    where: str, cpu: torch.Tensor, dev: Any, cpu_inputs: Sequence[torch.Tensor], dev_inputs: Sequence[torch.Tensor],
-    values: bool, devices: Sequence[str],
+    where: str,
+    cpu: torch.Tensor,
+    dev: Any,
+    cpu_inputs: Sequence[torch.Tensor],
+    dev_inputs: Sequence[torch.Tensor],
+    values: bool,
+    devices: Sequence[str],
 ) -> None:
     """`compare` for one tensor: device, metadata, aliasing of the inputs, strides, then (if `values`) every value."""
     if not isinstance(dev, torch.Tensor):
@@ -224,8 +230,10 @@ def _compare_tensor(
     if dev.device.type not in (devices if cpu.device.type == "cpu" else (cpu.device.type,)):
         raise Mismatch(f"{where}: on {dev.device}, the CPU run's is on {cpu.device} (expected {' or '.join(devices)})")
     checks = (
-        ("dtype", dev.dtype, cpu.dtype), ("shape", dev.shape, cpu.shape),
-        ("layout", dev.layout, cpu.layout), ("requires_grad", dev.requires_grad, cpu.requires_grad),
+        ("dtype", dev.dtype, cpu.dtype),
+        ("shape", dev.shape, cpu.shape),
+        ("layout", dev.layout, cpu.layout),
+        ("requires_grad", dev.requires_grad, cpu.requires_grad),
         ("zero tensor", dev._is_zerotensor(), cpu._is_zerotensor()),
     )
     for what, got, expected in checks:
@@ -235,7 +243,7 @@ def _compare_tensor(
         return
     cpu_view, dev_view = _storage_index(cpu, cpu_inputs), _storage_index(dev, dev_inputs)
     if cpu_view != dev_view:
-        said = {None: "a new tensor"}
+        said: dict[int | None, str] = {None: "a new tensor"}
         raise Mismatch(
             f"{where}: {said.get(dev_view, f'a view of input {dev_view}')} where the CPU gives "
             f"{said.get(cpu_view, f'a view of input {cpu_view}')}"
@@ -252,8 +260,13 @@ def _compare_tensor(
 
 
 def compare(
-    where: str, cpu: Any, dev: Any, cpu_inputs: Sequence[torch.Tensor] = (), dev_inputs: Sequence[torch.Tensor] = (),
-    values: bool = True, devices: Sequence[str] = (DEVICE,),
+    where: str,
+    cpu: Any,
+    dev: Any,
+    cpu_inputs: Sequence[torch.Tensor] = (),
+    dev_inputs: Sequence[torch.Tensor] = (),
+    values: bool = True,
+    devices: Sequence[str] = (DEVICE,),
 ) -> None:
     """Raise `Mismatch` where `dev` (the stand-in's result) differs from `cpu`; views must alias the same input, and
     a tensor the CPU run has on the CPU must be on one of `devices`."""
@@ -262,7 +275,7 @@ def compare(
     elif isinstance(cpu, (list, tuple)) and not isinstance(cpu, torch.Size):
         if not isinstance(dev, (list, tuple)) or len(dev) != len(cpu):
             raise Mismatch(f"{where}: {type(dev).__name__} where the CPU gives {type(cpu).__name__} of {len(cpu)}")
-        for i, (c, d) in enumerate(zip(cpu, dev)):
+        for i, (c, d) in enumerate(zip(cpu, dev, strict=True)):
             compare(f"{where}[{i}]", c, d, cpu_inputs, dev_inputs, values, devices)
     elif isinstance(cpu, dict):
         if not isinstance(dev, dict) or dev.keys() != cpu.keys():
@@ -284,7 +297,13 @@ class _SeededOps(TorchDispatchMode):
         super().__init__()
         self.random = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
         return func(*args, **(kwargs or {}))
 
@@ -308,7 +327,10 @@ def _draws_random(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str,
 
 
 def _run_both(
-    fns: tuple[Callable[..., Any], Callable[..., Any]], args: Sequence[Any], kwargs: dict[str, Any], grad: bool,
+    fns: tuple[Callable[..., Any], Callable[..., Any]],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    grad: bool,
 ) -> tuple[tuple[list, Any], tuple[list, Any]]:
     """The (input tensors after the call, result) of `fns[0]` on CPU clones of `args`/`kwargs` and of `fns[1]` on
     neuron clones; `CpuAlsoFails` if both raise, `Mismatch` if only the CPU does."""
@@ -319,12 +341,14 @@ def _run_both(
     (cpu_args, cpu_kwargs, cpu_inputs), (dev_args, dev_kwargs, dev_inputs) = runs
     try:
         expected = _call(fns[0], cpu_args, cpu_kwargs)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         try:
             _call(fns[1], dev_args, dev_kwargs)
         except Exception:  # noqa: BLE001
             raise CpuAlsoFails(f"raises on the CPU too: {_first_lines(str(err), 1):.120}") from None
-        raise Mismatch(f"neuron returns where the CPU raises {type(err).__name__}: {_first_lines(str(err), 1)}")
+        raise Mismatch(
+            f"neuron returns where the CPU raises {type(err).__name__}: {_first_lines(str(err), 1)}"
+        ) from err
     got = _call(fns[1], dev_args, dev_kwargs)
     return (cpu_inputs, expected), (dev_inputs, got)
 
@@ -341,7 +365,7 @@ def _filled_new_memory() -> Iterator[None]:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
-def _outcome(run: Callable[[], None], filled: bool = False) -> Optional[tuple[str, str]]:
+def _outcome(run: Callable[[], None], filled: bool = False) -> tuple[str, str] | None:
     """Runs one comparison: None when equal, else (status, message). A difference is tried again with new memory
     NaN-filled on both devices: kernels that read memory they leave unwritten differ from run to run on the CPU too."""
     try:
@@ -361,18 +385,17 @@ def _outcome(run: Callable[[], None], filled: bool = False) -> Optional[tuple[st
 def _compare_gradients(where: str, cpu_out: Any, dev_out: Any, cpu_wrt: list, dev_wrt: list) -> None:
     """Backward from the differentiable outputs with the same random gradient; compare what reaches `*_wrt`."""
     pairs = [
-        (c, d) for c, d in zip(_tensors(cpu_out), _tensors(dev_out))
+        (c, d)
+        for c, d in zip(_tensors(cpu_out), _tensors(dev_out), strict=True)
         if c.requires_grad and (c.is_floating_point() or c.is_complex())
     ]
-    wrt = [(c, d) for c, d in zip(cpu_wrt, dev_wrt) if c.requires_grad]
+    wrt = [(c, d) for c, d in zip(cpu_wrt, dev_wrt, strict=True) if c.requires_grad]
     if not pairs or not wrt:
         return
     generator = torch.Generator().manual_seed(SEED)
     grads = [torch.randn(c.shape, dtype=c.dtype, generator=generator) for c, _ in pairs]
     try:
-        expected = torch.autograd.grad(
-            [c for c, _ in pairs], [c for c, _ in wrt], grads, allow_unused=True
-        )
+        expected = torch.autograd.grad([c for c, _ in pairs], [c for c, _ in wrt], grads, allow_unused=True)
     except Exception:  # noqa: BLE001 (no backward on the CPU: nothing to compare)
         return
     got = torch.autograd.grad(
@@ -435,7 +458,9 @@ def _check_sample(op: Any, sample: Any, values: bool, result: Result, where: str
         def run() -> None:
             expected = state.get("expected")
             tensors = _tensors(expected)
-            if not tensors or not (isinstance(expected, torch.Tensor) or len(tensors) == len(expected)):
+            # out= takes a tensor result, or a sequence of tensors and nothing else
+            usable = tensors and (isinstance(expected, torch.Tensor) or len(tensors) == len(expected or ()))
+            if not usable:
                 raise CpuAlsoFails("no tensor result to give as out=")
             (cpu_in, returned), (dev_in, got) = _run_both(
                 (op, op), args, {**kwargs, "out": _out_like(expected, resize)}, grad=False
@@ -459,7 +484,7 @@ def _made_on_device(make: Callable[[str], Iterable[Any]]) -> list:
     torch.manual_seed(0)
     try:
         return list(itertools.islice(make(DEVICE), MAX_SAMPLES))
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         try:
             list(itertools.islice(make("cpu"), MAX_SAMPLES))
         except Exception:  # noqa: BLE001
@@ -486,8 +511,11 @@ def check_op(op: Any) -> Result:
     for dtype in dtypes:
         requires_grad = op.supports_autograd and dtype in op.supported_backward_dtypes("cpu")
         dtype_name = str(dtype).removeprefix("torch.")
-        samples = _record_made(result, f"{dtype_name} sample inputs",
-                               lambda device: op.sample_inputs(device, dtype, requires_grad=requires_grad))
+        samples = _record_made(
+            result,
+            f"{dtype_name} sample inputs",
+            functools.partial(op.sample_inputs, dtype=dtype, requires_grad=requires_grad),
+        )
         for i, sample in enumerate(samples):
             _check_sample(op, sample, values, result, f"{dtype_name} sample {i}")
     if not values and result.status == PASS:
@@ -503,12 +531,13 @@ def _check_module_input(module_info: Any, module_input: Any) -> None:
     """Train-mode forward and backward (then eval-mode forward where the module has buffers) on both devices."""
     built = []
     for device in ("cpu", DEVICE):
-        args, kwargs = _Cloner(device, False)([list(module_input.constructor_input.args),
-                                               dict(module_input.constructor_input.kwargs)])
+        args, kwargs = _Cloner(device, False)(
+            [list(module_input.constructor_input.args), dict(module_input.constructor_input.kwargs)]
+        )
         torch.manual_seed(0)  # the same initial parameters
         try:
             built.append(module_info.module_cls(*args, **kwargs).to(torch.float32).to(device))
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             if device == "cpu":
                 raise CpuAlsoFails(f"construction fails on the CPU: {_first_lines(str(err), 1):.120}") from None
             raise
@@ -537,11 +566,16 @@ def _check_module_input(module_info: Any, module_input: Any) -> None:
 def check_module(module_info: Any) -> Result:
     """Compare one ModuleInfo's modules on `neuron` against the CPU (float32) over its first inputs."""
     result = Result("module", module_info.name)
-    inputs = _record_made(result, "module inputs", lambda device: module_info.module_inputs_func(
-        module_info, device=device, dtype=torch.float32, requires_grad=True, training=True))
+    inputs = _record_made(
+        result,
+        "module inputs",
+        lambda device: module_info.module_inputs_func(
+            module_info, device=device, dtype=torch.float32, requires_grad=True, training=True
+        ),
+    )
     for i, module_input in enumerate(inputs):
         desc = f" ({module_input.desc})" if module_input.desc else ""
-        result.record(f"input {i}{desc}", _outcome(lambda: _check_module_input(module_info, module_input)))
+        result.record(f"input {i}{desc}", _outcome(functools.partial(_check_module_input, module_info, module_input)))
     result.finish()
     return result
 
@@ -558,7 +592,7 @@ def databases() -> tuple[list, list]:
     return op_db, module_db
 
 
-def select(items: Iterable[Any], name: Callable[[Any], str], sample: int, names: Optional[Iterable[str]]) -> list:
+def select(items: Iterable[Any], name: Callable[[Any], str], sample: int, names: Iterable[str] | None) -> list:
     """Every `sample`-th item by name (all for 1), or those named in `names`."""
     ordered = sorted(items, key=name)
     if names is not None:
@@ -568,8 +602,11 @@ def select(items: Iterable[Any], name: Callable[[Any], str], sample: int, names:
 
 
 def sweep(
-    sample: int = 1, names: Optional[Iterable[str]] = None, ops: bool = True, modules: bool = True,
-    progress: Optional[Callable[[Result], None]] = None,
+    sample: int = 1,
+    names: Iterable[str] | None = None,
+    ops: bool = True,
+    modules: bool = True,
+    progress: Callable[[Result], None] | None = None,
 ) -> list[Result]:
     """Run the conformance checks over every `sample`-th op and module (or the ones in `names`)."""
     op_db, module_db = databases()
@@ -628,7 +665,7 @@ def markdown(results: Sequence[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """CLI: run the sweep, print each op/module that does not pass, the counts and time; 1 if any is unexpected."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_trn.standin.conformance", description=__doc__.split("\n")[0]

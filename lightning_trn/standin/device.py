@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
-DeviceLike = Union[int, str, torch.device, None]
+DeviceLike = int | str | torch.device | None
 
 _ext: Any = None  # the compiled extension, set by `lightning_trn.standin.load`
 
@@ -174,13 +174,15 @@ def empty_cache() -> None:
 
 
 # --- streams and events: one synchronous stream per device; events record host time.
-def Stream(device: DeviceLike = None, priority: int = 0) -> torch.Stream:  # noqa: N802 (torch.cuda.Stream's name)
-    """A stream on the stand-in (all work on a device runs in order, at once)."""
+def Stream(device: DeviceLike = None, priority: int = 0) -> torch.Stream:
+    """A stream on the stand-in (all work on a device runs in order, at once); capitalised like `torch.cuda.Stream`,
+    whose interface device modules share."""
     return torch.Stream(device=torch.device("neuron", _index(device)), priority=priority)
 
 
-def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:  # noqa: N802
-    """An event on the stand-in; `elapsed_time` measures host time between two records."""
+def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
+    """An event on the stand-in (capitalised like `torch.cuda.Event`); `elapsed_time` measures host time between two
+    records."""
     return torch.Event(
         torch.device("neuron"), enable_timing=enable_timing, blocking=blocking, interprocess=interprocess
     )
@@ -198,5 +200,5 @@ def set_stream(stream: torch.Stream) -> None:
 
 
 @contextmanager
-def stream(stream: Optional[torch.Stream]) -> Iterator[None]:
+def stream(stream: torch.Stream | None) -> Iterator[None]:
     yield

@@ -12,6 +12,7 @@ The first group of a multi-process job checks what TorchNeuron's `init_process_g
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +23,8 @@ BACKEND = "neuron"
 RUNTIME_STARTED = "Neuron runtime should not be initialized before the init_process_group."
 
 
-def _create(ext: Any):
+def _create(ext: Any) -> Callable[[dist.Store, int, int, timedelta], Any]:
+    """The backend's constructor for `register_backend`: a `neuron` process group over `ext`'s C++ backend."""
     first = [True]
 
     def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:

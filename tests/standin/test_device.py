@@ -11,6 +11,8 @@ from torch import nn
 
 from lightning_trn import standin
 
+pytestmark = pytest.mark.native_only
+
 NEURON = torch.device("neuron", 0)
 
 

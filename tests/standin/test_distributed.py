@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.native_only
+
 SCRIPT = Path(__file__).parent / "scripts" / "collectives.py"
 CHECKS = [
     "all_reduce_SUM", "all_reduce_AVG", "all_reduce_MAX", "all_reduce_MIN", "all_reduce_AVG_int",

@@ -27,6 +27,8 @@ from lightning_trn.core import dtensor_random
 from tests.launch import child_env
 from tests.standin.fake_group import fake_process_group
 
+pytestmark = pytest.mark.native_only
+
 SCRIPT = Path(__file__).parent / "scripts" / "tp_init_weights_train.py"
 RUN_TIMEOUT_S = 400
 

@@ -1,4 +1,4 @@
-"""Ops whose schema hides what they do, through the stand-in's CPU fallback (issue 30): convolutions (`*_overrideable`,
+"""Ops whose schema hides what they do, through the stand-in's CPU fallback: convolutions (`*_overrideable`,
 which have no CPU kernel) and batch norm's running statistics (updated in place by `native_batch_norm`, whose schema
 does not declare it). Outputs, gradients and module buffers equal the CPU's."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+
+pytestmark = pytest.mark.native_only
 
 
 def _forward_backward(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

@@ -22,6 +22,8 @@ from lightning_trn.pytorch import NeuronPrecision
 from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from tests.standin.fake_group import fake_process_group
 
+pytestmark = pytest.mark.native_only
+
 
 @pytest.fixture
 def mesh() -> Iterator[object]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.native_only
+
 PRINT_TENSOR = "import torch, lightning_trn.standin; print(torch.randn(2, device='neuron'))"
 
 

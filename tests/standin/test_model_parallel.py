@@ -28,6 +28,8 @@ from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronMode
 from tests.launch import child_env
 from tests.test_misconfiguration import documented_rows
 
+pytestmark = pytest.mark.native_only
+
 SCRIPT = Path(__file__).parents[1] / "scripts" / "model_parallel_train.py"
 #: 8 AdamW steps of float32 on different meshes (sharded reductions, tensor-parallel matmuls): summation order only
 WEIGHT_TOLERANCE = 2e-5

@@ -18,6 +18,8 @@ import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn.runtime import get_runtime, select_backend
 from tests.recipe_runs import export_checkpoint, run_without_standin
 
+pytestmark = pytest.mark.native_only
+
 
 class RecordingModel(BoringModel):
     """Records where the weights live and what dtype the layer computes in, at every training step."""
@@ -187,7 +189,7 @@ def test_vit_recipe_runs_natively_and_its_export_loads_without_the_stand_in(tmp_
         "from safetensors.torch import load_file\n"
         "from lightning_trn.recipes import common\n"
         "from lightning_trn.recipes.patch_embed import to_linear_state_dict\n"
-        "from lightning_trn.recipes.vision_transformer import VisionTransformer\n"
+        "from lightning_trn.recipes.vit_network import VisionTransformer\n"
         "from lightning_trn.recipes.vit import RECIPE\n"
         "assert torch._C._get_privateuse1_backend_name() == 'privateuseone'  # no stand-in here\n"
         "out = Path(sys.argv[2])\n"

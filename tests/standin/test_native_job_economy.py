@@ -1,9 +1,11 @@
-"""The job economy of issue 19 on the native backend: a recipe's whole job waits for the device (host syncs) no more
+"""The job economy (docs/job-economy.md) on the native backend: a recipe's whole job waits for the device (host syncs) no more
 than an expert's eager loop, with no `.item()` reads and no CPU-fallback ops."""
 
 from __future__ import annotations
 
 import pytest
+
+pytestmark = pytest.mark.native_only
 
 SHORT_JOB = ["trainer.max_epochs=2", "trainer.limit_train_batches=5", "trainer.limit_val_batches=3",
              "trainer.limit_test_batches=3"]

@@ -1,4 +1,4 @@
-"""Meta-device initialization of the LLM recipe (`recipes/llm.py`): under a sharded strategy `build_model` builds
+"""Meta-device initialization of the LLM recipe (`recipes/llm/`): under a sharded strategy `build_model` builds
 `LlamaForCausalLM` on the meta device and the strategy's `materialize` gives each rank its shards, replaying the
 eager build's initialization (`eager_init_steps`, `CausalLM.materialization_steps`) on one submodule at a time.
 
@@ -23,6 +23,8 @@ import torch
 from lightning_trn.core.model_parallel import materialize
 from lightning_trn.recipes import cli, llm
 from tests.launch import child_env
+
+pytestmark = pytest.mark.native_only
 
 SCRIPT = Path(__file__).parent / "scripts" / "llm_meta_init.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -110,7 +112,7 @@ def test_meta_init_without_a_mesh_is_materialized_in_configure_model(tmp_path: P
     torch.manual_seed(SEED)
     module = llm.CausalLM(meta_init=True, **MODEL)
     tokens = torch.randint(0, MODEL["vocab_size"], (4, MODEL["seq_len"]))
-    loader = torch.utils.data.DataLoader(llm._BlockDataset(tokens, tokens), batch_size=4)
+    loader = torch.utils.data.DataLoader(llm.data._BlockDataset(tokens, tokens), batch_size=4)
     pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
                default_root_dir=tmp_path).fit(module, train_dataloaders=loader)

@@ -1,4 +1,4 @@
-"""The LLM recipe (`recipes/llm.py`) on the native backend, the stand-in as the `neuron` device: the default job with
+"""The LLM recipe (`recipes/llm/`) on the native backend, the stand-in as the `neuron` device: the default job with
 activation checkpointing meets the perplexity bar, and its export generates in a process without the stand-in."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.recipe_runs import export_checkpoint, run_without_standin
+
+pytestmark = pytest.mark.native_only
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_trn.recipes import cli, llm
 from tests.standin.fake_group import fake_process_group
 
+pytestmark = pytest.mark.native_only
+
 
 @pytest.mark.parametrize(("preset", "world_size", "mesh_shape", "lm_head_shard"), [
     ("trn2-8b", 64, (16, 4), (32000 // 4 // 16, 4096)),

@@ -16,6 +16,8 @@ import pytest
 from lightning_trn.recipes import cli, llm
 from tests.test_recipe_llm_pretrained import STEP, save_folder
 
+pytestmark = pytest.mark.native_only
+
 
 def _train_losses(run_dir: Path) -> list[float]:
     with open(run_dir / "logs" / "metrics.csv") as f:

@@ -1,4 +1,4 @@
-"""The LLM recipe (`recipes/llm.py`) on the native backend (the stand-in), ending exactly like the run it stands for:
+"""The LLM recipe (`recipes/llm/`) on the native backend (the stand-in), ending exactly like the run it stands for:
 
 - `trainer.strategy=fsdp` (one FSDP unit per decoder layer) on two devices ends with the weights and validation/test
   losses of one unsharded device on the same global batch;
@@ -20,6 +20,8 @@ import torch
 
 from tests.recipe_runs import (RESUMABLE, TINY_LLM, assert_ends_alike, assert_ends_identically,
                                kill_after_first_checkpoint, run)
+
+pytestmark = pytest.mark.native_only
 
 #: float32 AdamW, a reduce-scattered mean of 2 means vs one mean, after 6 steps
 TOLERANCE = 1e-5

@@ -21,6 +21,8 @@ import torch
 from lightning_trn.core.model_parallel import materialize, write_seed_checkpoint
 from tests.launch import child_env
 
+pytestmark = pytest.mark.native_only
+
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_init.py"
 RUN_TIMEOUT_S = 180
 

@@ -11,6 +11,8 @@ import pytest
 
 from tests.sharded_runs import can_exchange, kill_inside_a_save, resume_to_the_end, run_job
 
+pytestmark = pytest.mark.native_only
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
 
+pytestmark = pytest.mark.native_only
+
 
 class Regression(LightningModule):
     def __init__(self) -> None:

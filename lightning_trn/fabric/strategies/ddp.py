@@ -8,7 +8,7 @@ or SLURM the launcher's processes are used. Process groups, collectives and grad
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Optional, Union
+from typing import Any
 
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_trn.core.data_parallel import DataParallelCore
 from lightning_trn.core.zero1 import sharding_of
-from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
+from lightning_trn.fabric.strategies.base import NeuronFabricStrategyBase
 
 
 class _ReducedAtStep(_BackwardSyncControl):
@@ -31,7 +31,7 @@ class _ReducedAtStep(_BackwardSyncControl):
         return nullcontext()
 
 
-class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyMixin, ParallelStrategy):
+class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyBase, ParallelStrategy):
     """What `Fabric(accelerator="neuron", devices=N, num_nodes=M)` picks for N*M > 1 processes.
 
     Args:
@@ -45,6 +45,10 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyMixin, ParallelStr
         **kwargs: the arguments of Fabric's `ParallelStrategy`.
     """
 
+    setup_module_steps = (*NeuronFabricStrategyBase.setup_module_steps, "broadcast_module_states", "sync_torchmetrics")
+    setup_optimizer_steps = (*NeuronFabricStrategyBase.setup_optimizer_steps, "shard_optimizer_state")
+
+    @override
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._backward_sync_control = _ReducedAtStep()
@@ -54,22 +58,13 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyMixin, ParallelStr
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def _set_world_ranks(self) -> None:
-        """Fabric's connector calls it by this name."""
-        self.set_world_ranks()
-
-    @override
-    def setup_module(self, module: Module) -> Module:
-        """Start every rank from rank 0's weights; route torchmetrics' syncs through the collectives."""
-        module = super().setup_module(module)
-        self._broadcast_module_states(module)
-        self._route_metric_syncs(module)
+    def _broadcast_module_states(self, module: Module) -> Module:
+        """Start every rank from rank 0's weights."""
+        self._broadcast_weights(module)
         return module
 
-    @override
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+    def _shard_optimizer_state(self, optimizer: Optimizer) -> Optimizer:
         """With `zero1=True`, shard the optimizer's state over the ranks (`setup_module` broadcast the weights)."""
-        optimizer = super().setup_optimizer(optimizer)
         self._shard_optimizer(optimizer)
         return optimizer
 
@@ -78,8 +73,8 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyMixin, ParallelStr
         self,
         module: Module,
         optimizer: Optimizer,
-        max_norm: Union[float, int],
-        norm_type: Union[float, int] = 2.0,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip the gradients averaged over the ranks (reduced now rather than at the step), as a 1-process run would;
@@ -92,13 +87,13 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyMixin, ParallelStr
         return sharding.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite)
 
     @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         """Clip the gradients averaged over the ranks (ZeRO-1: this rank's chunks of them)."""
         self._reduce_for_step(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
 
     @override
-    def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def load_checkpoint(self, path: _PATH, state: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """After the load, ZeRO-1 optimizers take their chunks from the restored weights (and saved fp32 masters)."""
         remainder = super().load_checkpoint(path, state, *args, **kwargs)
         for obj in state.values() if isinstance(state, dict) else [state]:

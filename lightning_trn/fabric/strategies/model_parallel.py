@@ -4,22 +4,31 @@ same arguments, and `fabric.setup` runs `parallelize_fn(module, device_mesh)` on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_trn.core.dtensor_random import refuse_local_dropout
-from lightning_trn.core.model_parallel import ModelParallelCore, host_values_to_meta, materialize
-from lightning_trn.fabric.strategies.mixin import NeuronFabricStrategyMixin
+from lightning_trn.core.model_parallel import (
+    broadcast_replicated,
+    check_mesh_sizes,
+    check_shards_models,
+    host_values_to_meta,
+    materialize,
+)
+from lightning_trn.core.process_group import ProcessGroup
+from lightning_trn.fabric.strategies.base import NeuronFabricStrategyBase
 from lightning_trn.hooks import registry as lightning_hooks
 
 
-class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, ModelParallelStrategy):
+class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrategy):
     """FSDP2 and tensor parallelism over NeuronCores (native backend), one process per NeuronCore.
 
     Args:
@@ -33,20 +42,36 @@ class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, 
         seed_checkpoint: a directory written by `lightning_trn.core.model_parallel.write_seed_checkpoint`: a model
             built on the meta device reads each rank's shards from it instead of drawing its initial weights on
             every rank's host.
+
+    Raises:
+        ValueError: on a backend that cannot shard models (XLA), at construction.
     """
 
+    strategy_name = "neuron_model_parallel"
+    strategy_description = "FSDP2 and tensor parallel over NeuronCores, native backend (lightning_trn)"
     saves_stateful_objects = True
+    #: Lightning's `setup_module` runs `parallelize_fn` and materializes each rank's shards; what is left on the host
+    #: (torchmetrics' states) moves after it
+    setup_module_steps = (
+        "seed_device_rng",
+        "checkpoint_activations",
+        "lightning_setup_module",
+        "move_remaining_to_device",
+        "sync_torchmetrics",
+    )
 
+    @override
     def __init__(
         self,
         parallelize_fn: Callable[[Any, Any], Module],
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
-        tensor_parallel_size: Union[Literal["auto"], int] = "auto",
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
         save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
+        process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
-        seed_checkpoint: Optional[Union[str, Path]] = None,
+        seed_checkpoint: str | Path | None = None,
     ) -> None:
+        check_shards_models(self.runtime, type(self).__name__)
         super().__init__(
             parallelize_fn=self._parallelize_and_materialize,
             data_parallel_size=data_parallel_size,
@@ -54,6 +79,7 @@ class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, 
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            process_group=ProcessGroup(process_group_backend, timeout),
         )
         self._user_parallelize_fn = parallelize_fn
         self._seed_checkpoint = seed_checkpoint
@@ -67,32 +93,38 @@ class NeuronModelParallelStrategy(ModelParallelCore, NeuronFabricStrategyMixin, 
         module = self._user_parallelize_fn(module, device_mesh)
         if isinstance(module, Module):
             materialize(module, self.root_device, self._seed_checkpoint, host_values)
-            self._broadcast_replicated(module)
+            if self.world_size > 1:  # what FSDP1's `sync_module_states=True` asked for, always
+                broadcast_replicated(module, self.root_device)
             refuse_local_dropout(module, self)
         # random ops on the sharded module's DTensors (`init_weights()` after `setup`): the `neuron` rule from here
         # on; Fabric has no teardown to put torch's back at, and the rule leaves other devices' meshes to torch
         lightning_hooks.acquire(lightning_hooks.DTENSOR_RANDOM_HOOKS)
         return module
 
-    def _set_world_ranks(self) -> None:
-        """Fabric's connector calls it by this name."""
-        self.set_world_ranks()
+    @override
+    def _configure_launcher(self) -> None:
+        """Called once the devices and nodes are known (at `Fabric(...)`): check the mesh fits."""
+        check_mesh_sizes(self, self._data_parallel_size, self._tensor_parallel_size)
+        super()._configure_launcher()
 
+    @override
+    def _saves_sharded(self) -> bool:
+        return self._save_distributed_checkpoint
+
+    @override
     def module_to_device(self, module: Module) -> None:
         """Nothing before `setup_module` (as Lightning's): a module built on the host is sharded first, so only
         shards reach the device."""
 
-    def setup_module(self, module: Module) -> Module:
-        """Lightning's: `parallelize_fn` on the device mesh, each rank's shards materialized on the device; what is
-        left on the host (torchmetrics' states) then moves; torchmetrics' syncs routed through the collectives."""
-        module = super().setup_module(module)
+    def _move_remaining_to_device(self, module: Module) -> Module:
+        """What `parallelize_fn` left on the host (torchmetrics' states) moves, keeping ties."""
         super().module_to_device(module)
-        self._route_metric_syncs(module)
         return module
 
+    @override
     def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
-    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[Module, list[Optimizer], Any | None]:
         """`fabric.setup(model, optimizer)`: refused when the optimizer holds parameters that sharding replaced
         (it would update tensors the model no longer uses, silently)."""
         module = self.setup_module(module)

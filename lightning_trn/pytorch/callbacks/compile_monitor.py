@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -30,8 +30,10 @@ def _batch_shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
 def describe_shape_changes(shapes: set[tuple[tuple[int, ...], ...]]) -> str:
     """Which input tensor and dimension took more than one size, with the likely cause."""
     if len(shapes) < 2:
-        return "input shapes did not change, so look for graph changes from Python values (a step-dependent scalar, "\
+        return (
+            "input shapes did not change, so look for graph changes from Python values (a step-dependent scalar, "
             "data-dependent control flow, a `.item()` in the step)"
+        )
     ordered = sorted(shapes)
     parts = []
     for index in range(max(len(s) for s in ordered)):
@@ -64,8 +66,8 @@ class CompileMonitor(Callback):
         self.warmup_steps = warmup_steps
         #: cumulative {phase: {"compiles": n, "executions": n}} since the start of the run
         self.summary: dict[str, dict[str, int]] = {}
-        self._last: Optional[RuntimeMetrics] = None
-        self._start: Optional[RuntimeMetrics] = None
+        self._last: RuntimeMetrics | None = None
+        self._start: RuntimeMetrics | None = None
         self._phase = WARMUP
         self._train_batches = 0
         self._validation_runs = 0

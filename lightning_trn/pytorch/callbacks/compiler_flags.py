@@ -7,7 +7,6 @@ import logging
 import os
 import shlex
 from collections.abc import Sequence
-from typing import Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -26,7 +25,7 @@ MODEL_TYPES = ("generic", "transformer", "unet-inference")
 AUTO_CAST = ("none", "matmult", "all")
 AUTO_CAST_TYPES = ("bf16", "fp16", "tf32", "fp8_e4m3")
 
-_Flag = tuple[str, Optional[str]]
+_Flag = tuple[str, str | None]
 
 
 def cc_flags_digest(flags: str) -> str:
@@ -67,7 +66,7 @@ def _choice(option: str, value: object, allowed: Sequence[str]) -> str:
     return text
 
 
-def _optlevel(value: Union[int, str]) -> str:
+def _optlevel(value: int | str) -> str:
     text = str(value).strip().upper().lstrip("-").removeprefix("O")
     if text not in OPTLEVELS:
         raise ValueError(f"`optlevel={value!r}` is not a Neuron optimization level; use 1, 2 or 3 (or 'O1'..'O3').")
@@ -86,11 +85,11 @@ class NeuronCompilerFlags(Callback):
 
     def __init__(
         self,
-        optlevel: Optional[Union[int, str]] = None,
-        model_type: Optional[str] = None,
-        auto_cast: Optional[str] = None,
-        auto_cast_type: Optional[str] = None,
-        extra_flags: Optional[Union[str, Sequence[str]]] = None,
+        optlevel: int | str | None = None,
+        model_type: str | None = None,
+        auto_cast: str | None = None,
+        auto_cast_type: str | None = None,
+        extra_flags: str | Sequence[str] | None = None,
     ) -> None:
         requested: list[_Flag] = []
         if optlevel is not None:
@@ -103,9 +102,14 @@ class NeuronCompilerFlags(Callback):
             requested.append(("--auto-cast-type", _choice("auto_cast_type", auto_cast_type, AUTO_CAST_TYPES)))
         if extra_flags:
             extra = extra_flags if isinstance(extra_flags, str) else shlex.join(extra_flags)
-            requested = parse_cc_flags(merge_cc_flags(
-                format_cc_flags(requested), parse_cc_flags(extra), "the NeuronCompilerFlags arguments", "extra_flags"
-            ))
+            requested = parse_cc_flags(
+                merge_cc_flags(
+                    format_cc_flags(requested),
+                    parse_cc_flags(extra),
+                    "the NeuronCompilerFlags arguments",
+                    "extra_flags",
+                )
+            )
         self._pairs = requested
         self._env = EnvironmentPatch()
         self._applied = False

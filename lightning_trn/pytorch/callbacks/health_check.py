@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
@@ -33,14 +31,15 @@ class NeuronHealthCheck(Callback):
         check_arguments(timeout, size_mb)
         self.timeout = timeout
         self.size_mb = size_mb
-        self.report: Optional[HealthReport] = None
+        self.report: HealthReport | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not hasattr(trainer.strategy, "runtime"):
             raise ValueError("NeuronHealthCheck checks NeuronCores: use it with `Trainer(accelerator='neuron')`.")
         if graphs_only():
-            rank_zero_info(f"lightning_trn: {GRAPHS_ONLY_ENV}=1 (precompiling): device results are fake, no health "
-                           "check.")
+            rank_zero_info(
+                f"lightning_trn: {GRAPHS_ONLY_ENV}=1 (precompiling): device results are fake, no health check."
+            )
             return
         self.report = run_health_check(trainer.strategy, timeout=self.timeout, size_mb=self.size_mb)
         rank_zero_info(self.report.summary())

@@ -12,24 +12,31 @@ redraw on a clock instead.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar, get_standard_metrics
 
 from lightning_trn.hooks.logging import values_to_host
 
-_Metrics = dict[str, Union[int, str, float, dict[str, float]]]
+_Metrics = dict[str, int | str | float | dict[str, float]]
 DEFAULT_MAX_REDRAWS_PER_SECOND = 10.0
 
+# the type checker sees `ProgressBar`'s members here; at run time the mixin comes before one of Lightning's bars,
+# which brings `ProgressBar` into the MRO (`object` changes nothing)
+if TYPE_CHECKING:
+    _ProgressBarBase = ProgressBar
+else:
+    _ProgressBarBase = object
 
-class HostSyncFreeMetricsMixin:
+
+class HostSyncFreeMetricsMixin(_ProgressBarBase):
     """`get_metrics` that reuses the last values between logging intervals instead of reading the device, and a
     clock that limits redraws to `max_redraws_per_second`."""
 
-    _cached_metrics: Optional[_Metrics] = None
+    _cached_metrics: _Metrics | None = None
     _cached_step: int = -1
     _last_redraw: float = float("-inf")
 
@@ -52,7 +59,9 @@ class HostSyncFreeMetricsMixin:
     def _refresh_due(self, trainer: pl.Trainer) -> bool:
         if self._cached_metrics is None or not trainer.training:
             return True
-        interval = max(1, trainer.log_every_n_steps)  # refresh on the steps the logger reads the device anyway
+        # refresh on the steps the logger reads the device anyway (Lightning's logger connector sets
+        # `log_every_n_steps` on the Trainer; its class does not declare it)
+        interval = max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]  # see above
         return trainer.global_step // interval != self._cached_step // interval
 
     def _read_metrics_if_due(self, trainer: pl.Trainer) -> None:
@@ -74,23 +83,25 @@ class HostSyncFreeMetricsMixin:
         # read on the same steps whether or not this batch is drawn (the redraw clock must not decide when the device
         # is read): the first batch, the logging steps, and the first batch after an epoch end
         self._read_metrics_if_due(trainer)
-        super().on_train_batch_end(trainer, pl_module, *args)  # type: ignore[misc]
+        super().on_train_batch_end(trainer, pl_module, *args)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._cached_metrics = None  # show the epoch's final values
-        super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
+        super().on_train_epoch_end(trainer, pl_module)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._cached_metrics = None  # show the new validation metrics
-        super().on_validation_end(trainer, pl_module)  # type: ignore[misc]
+        super().on_validation_end(trainer, pl_module)
 
 
 class NeuronTQDMProgressBar(HostSyncFreeMetricsMixin, TQDMProgressBar):
     """`TQDMProgressBar` without a host sync per step; redraws every `refresh_rate` batches, at most
     `max_redraws_per_second` times a second, and at each loop's last batch."""
 
-    def _should_update(self, current: int, total: Union[int, float]) -> bool:
-        return super()._should_update(current, total) and self._redraw_due(last=current == total)
+    def _should_update(self, current: int, total: int | float) -> bool:
+        # Lightning passes `float("inf")` totals (an iterable without a length) despite its `int` annotation
+        should_update = super()._should_update(current, total)  # type: ignore[arg-type]  # see above
+        return should_update and self._redraw_due(last=current == total)
 
 
 class NeuronRichProgressBar(HostSyncFreeMetricsMixin, RichProgressBar):
@@ -107,7 +118,7 @@ class NeuronRichProgressBar(HostSyncFreeMetricsMixin, RichProgressBar):
             super().refresh(hard=hard)
 
 
-def host_sync_free_replacement(progress_bar: object) -> Optional[HostSyncFreeMetricsMixin]:
+def host_sync_free_replacement(progress_bar: object) -> HostSyncFreeMetricsMixin | None:
     """Our bar for Lightning's stock bar of exactly that type (the Trainer's default, or one the user configured),
     holding every option of `progress_bar` (`refresh_rate`, `leave`, `process_position`, `theme`, console settings):
     its attributes are copied as they are. None for any other bar."""
@@ -120,4 +131,7 @@ def host_sync_free_replacement(progress_bar: object) -> Optional[HostSyncFreeMet
     return replacement
 
 
-_REPLACEMENTS: dict[type, type] = {TQDMProgressBar: NeuronTQDMProgressBar, RichProgressBar: NeuronRichProgressBar}
+_REPLACEMENTS: dict[type, type[HostSyncFreeMetricsMixin]] = {
+    TQDMProgressBar: NeuronTQDMProgressBar,
+    RichProgressBar: NeuronRichProgressBar,
+}

@@ -8,7 +8,6 @@ shares with Fabric's strategy (process groups, collectives, gradient reduction) 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -21,11 +20,10 @@ from typing_extensions import override
 
 from lightning_trn.core.data_parallel import DataParallelCore
 from lightning_trn.core.strategy import CheckpointingPolicy
-from lightning_trn.pytorch.strategies.mixin import NeuronStrategyMixin
-from lightning_trn.pytorch.strategies.process_group import ProcessGroupStrategyMixin
+from lightning_trn.pytorch.strategies.base import NeuronStrategyBase
 
 
-class NeuronDDPStrategy(DataParallelCore, ProcessGroupStrategyMixin, NeuronStrategyMixin, ParallelStrategy):
+class NeuronDDPStrategy(DataParallelCore, NeuronStrategyBase, ParallelStrategy):
     """What `Trainer(accelerator="neuron", devices=N, num_nodes=M)` picks for N*M > 1 processes.
 
     Args:
@@ -39,18 +37,27 @@ class NeuronDDPStrategy(DataParallelCore, ProcessGroupStrategyMixin, NeuronStrat
         activation_checkpointing_policy: checkpoint these submodules (e.g. `{Block}`), as Lightning's FSDPStrategy does.
     """
 
+    setup_steps = (
+        *NeuronStrategyBase.setup_steps,
+        "broadcast_module_states",
+        "shard_optimizer_state",
+        "sync_torchmetrics",
+        "agree_on_sigterm",
+    )
+
+    @override
     def __init__(
         self,
-        accelerator: Optional[pl.accelerators.Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         zero1: bool = False,
         state_dict_type: str = "full",
-        activation_checkpointing_policy: Optional[CheckpointingPolicy] = None,
+        activation_checkpointing_policy: CheckpointingPolicy | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -70,11 +77,12 @@ class NeuronDDPStrategy(DataParallelCore, ProcessGroupStrategyMixin, NeuronStrat
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
+    def _broadcast_module_states(self, trainer: pl.Trainer) -> None:
+        """Start every rank from rank 0's parameters and buffers."""
         assert self.model is not None
-        self._broadcast_module_states(self.model)
+        self._broadcast_weights(self.model)
+
+    def _shard_optimizer_state(self, trainer: pl.Trainer) -> None:
+        """With `zero1=True`, shard each optimizer's state over the ranks (after the weights were broadcast)."""
         for optimizer in self.optimizers:
             self._shard_optimizer(optimizer)
-        self._after_setup(trainer)

@@ -8,29 +8,89 @@ LightningModule, are `fully_shard`-ed when the model is configured (`lightning_t
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
 import lightning.pytorch as pl
+from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_trn.core.fsdp import FSDPCore
+from lightning_trn.core.fsdp import FSDPSharding
+from lightning_trn.core.strategy import CheckpointingPolicy
 from lightning_trn.pytorch.strategies.model_parallel import NeuronModelParallelStrategy
 
 
-class NeuronFSDPStrategy(FSDPCore, NeuronModelParallelStrategy):
+class NeuronFSDPStrategy(NeuronModelParallelStrategy):
     """FSDP over NeuronCores with FSDP2, one process per NeuronCore; the arguments are those of Lightning's
-    `FSDPStrategy` (`FSDPCore`)."""
+    `FSDPStrategy`.
+
+    Args:
+        activation_checkpointing_policy: the submodules whose activations are recomputed (as Lightning's).
+        state_dict_type: "sharded" (default): torch.distributed.checkpoint directories, each rank writing its
+            shards; "full": one file of CPU tensors assembled on rank 0.
+        process_group_backend: `torch.distributed` backend of the default group (`neuron`).
+        timeout: timeout of the process groups.
+        **kwargs: the sharding arguments (`auto_wrap_policy`, `sharding_strategy`, `cpu_offload`, `mixed_precision`,
+            `device_mesh`, FSDP1's other options): `lightning_trn.core.fsdp.FSDPSharding`.
+    """
+
+    strategy_name = "neuron_fsdp"
+    strategy_description = "FSDP (served by FSDP2) over NeuronCores, native backend (lightning_trn)"
+    #: what runs as the LightningModule's `configure_model`, where Lightning calls it, once the mesh exists
+    configure_model_steps: tuple[str, ...] = ("user_configure_model", "checkpoint_activations", "apply_sharding")
+
+    @override
+    def __init__(
+        self,
+        activation_checkpointing_policy: CheckpointingPolicy | None = None,
+        state_dict_type: str = "sharded",
+        process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        self._fsdp = FSDPSharding(**kwargs)
+        super().__init__(
+            save_distributed_checkpoint=FSDPSharding.saves_distributed_checkpoint(state_dict_type),
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._activation_checkpointing_policy = activation_checkpointing_policy
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank is data-parallel (with a hybrid mesh too)."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        """The mesh of the sharding strategy, checked as the model-parallel one."""
+        self._data_parallel_size, self._tensor_parallel_size = self._fsdp.mesh_sizes(self.num_nodes, self.num_processes)
+        super()._configure_launcher()
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        """The LightningModule's `configure_model` (its own, if any, then the sharding) runs where Lightning runs
-        it, once the mesh exists: it is set on this model object until teardown."""
+        """The LightningModule's `configure_model` becomes `configure_model_steps` (its own first): set on this model
+        object until teardown."""
         super().connect(model)
-        user = model.configure_model
+        self._users_configure_model = model.configure_model
 
         def configure_model() -> None:
-            user()
-            self._shard(model)
+            self._run_steps(self.configure_model_steps, model.trainer)
 
-        model.configure_model = configure_model  # type: ignore[method-assign]
+        # replaced on this model object only (the docstring): the class's method stays as it is
+        model.configure_model = configure_model  # type: ignore[method-assign]  # see above
+
+    def _user_configure_model(self, trainer: pl.Trainer) -> None:
+        self._users_configure_model()
+
+    def _apply_sharding(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        self._shard(self.model)
+
+    def _shard(self, module: Any) -> Any:
+        """`fully_shard` `module` by the FSDP arguments, on the strategy's mesh."""
+        return self._fsdp.shard(module, self.device_mesh, getattr(self.precision_plugin, "precision", None))
 
     @override
     def teardown(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 log = logging.getLogger(__name__)
 
 
-def install_host_sigterm_sync(trainer: pl.Trainer, host_group: Optional[Any]) -> bool:
+def install_host_sigterm_sync(trainer: pl.Trainer, host_group: Any | None) -> bool:
     """Replace the per-step SIGTERM broadcast and the SIGTERM handler's broadcast on `trainer`'s instances.
 
     Must run before `trainer` registers its signal handlers (the strategy's `setup` does). Returns False, changing
@@ -42,13 +42,14 @@ def install_host_sigterm_sync(trainer: pl.Trainer, host_group: Optional[Any]) ->
                 dist.barrier(group=host_group)
             raise SIGTERMException()
 
-    def notify_sigterm(signum: int, _: Optional[FrameType]) -> None:
+    def notify_sigterm(signum: int, _: FrameType | None) -> None:
         log.info("lightning_trn: rank %d received SIGTERM (%d)", trainer.global_rank, signum)
         launcher = trainer.strategy.launcher
         if not connector.received_sigterm and launcher is not None:
             launcher.kill(signum)
         connector.received_sigterm = True
 
-    epoch_loop._broadcast_sigterm_tensor = broadcast_sigterm_flag  # type: ignore[method-assign]
-    connector._sigterm_notifier_fn = notify_sigterm  # type: ignore[method-assign]
+    # replaced on this run's loop and connector objects only; their classes keep Lightning's methods
+    epoch_loop._broadcast_sigterm_tensor = broadcast_sigterm_flag  # type: ignore[method-assign]  # see above
+    connector._sigterm_notifier_fn = notify_sigterm  # type: ignore[method-assign]  # see above
     return True

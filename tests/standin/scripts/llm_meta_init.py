@@ -18,7 +18,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
-from lightning_trn.recipes.llm import CausalLM, _BlockDataset
+from lightning_trn.recipes.llm import CausalLM
+from lightning_trn.recipes.llm.data import _BlockDataset
 
 SEED = 1234
 #: a small Llama: grouped-query attention (4 heads over 2 key/value heads), a padding row, rotary buffers

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -13,12 +12,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_trn.pytorch.callbacks.compile_cache.archive import archive_name, extract_archive, list_entries, pack_entries
+from lightning_trn.pytorch.callbacks.compile_cache.archive import (
+    archive_name,
+    extract_archive,
+    list_entries,
+    pack_entries,
+)
+from lightning_trn.pytorch.callbacks.compile_cache.s3_store import S3CacheStore, is_s3_url, redact
 from lightning_trn.pytorch.callbacks.compiler_flags import NeuronCompilerFlags, cc_flags_digest
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.discovery import CPU
 from lightning_trn.runtime.environment import NEURON_CC_FLAGS, cc_flag_value
-from lightning_trn.pytorch.callbacks.compile_cache.s3_store import S3CacheStore, is_s3_url, redact
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +47,15 @@ class NeuronCompileCache(Callback):
     def __init__(
         self,
         url: str,
-        local_dir: Optional[str] = None,
-        endpoint_url: Optional[str] = None,
+        local_dir: str | None = None,
+        endpoint_url: str | None = None,
         pull: bool = True,
         push: bool = True,
         connect_timeout: float = 5.0,
         max_attempts: int = 2,
     ) -> None:
         self.url = url
-        self._store: Optional[S3CacheStore] = None
+        self._store: S3CacheStore | None = None
         if is_s3_url(url):
             self._store = S3CacheStore(url, endpoint_url, connect_timeout, max_attempts)
             default_dir = os.path.join(
@@ -63,9 +67,9 @@ class NeuronCompileCache(Callback):
         self._pull, self._push = pull, push
         self._pulled = False
         self._said_no_cache = False  # the native backend's warning, given once per callback
-        self._baseline: Optional[dict[str, int]] = None
+        self._baseline: dict[str, int] | None = None
         #: the directory the runtime uses, once `enable` succeeded
-        self.cache_dir: Optional[str] = None
+        self.cache_dir: str | None = None
 
     def resolve_cache_dir(self) -> str:
         """The directory handed to the runtime: `local_dir` on Neuron, a per-flags subdirectory on XLA:CPU."""
@@ -135,7 +139,7 @@ class NeuronCompileCache(Callback):
         log.info("NeuronCompileCache: pulled %d archive(s), %d file(s) from %s.", len(keys), written, self.url)
         return written
 
-    def push(self) -> Optional[str]:
+    def push(self) -> str | None:
         """Upload the entries added since `enable` as one new archive; returns its key (never raises)."""
         if self._store is None or self._baseline is None:
             return None
@@ -191,7 +195,9 @@ class NeuronCompileCache(Callback):
         if not get_runtime().has_compile_cache:
             self.enable()  # warns that there is nothing to do: no pull from S3 either
             return
-        for callback in trainer.callbacks:  # the flags name the XLA:CPU cache directory: set them first
+        # the flags name the XLA:CPU cache directory: set them first (Lightning's connectors set `callbacks` on the
+        # Trainer; its class does not declare it)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]  # see above
             if isinstance(callback, NeuronCompilerFlags):
                 callback.apply()
         if self._store is not None and self._pull and not self._pulled:

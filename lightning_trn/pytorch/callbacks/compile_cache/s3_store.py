@@ -8,7 +8,7 @@ any error text before it is logged.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 from urllib.parse import urlparse
 
 _SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
@@ -37,7 +37,7 @@ class S3CacheStore:
     """
 
     def __init__(
-        self, url: str, endpoint_url: Optional[str] = None, connect_timeout: float = 5.0, max_attempts: int = 2
+        self, url: str, endpoint_url: str | None = None, connect_timeout: float = 5.0, max_attempts: int = 2
     ) -> None:
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:

@@ -12,8 +12,9 @@ Everything that is not a Neuron run goes to the original methods untouched.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import lightning
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY as FABRIC_ACCELERATORS
@@ -32,11 +33,16 @@ from lightning_trn import fabric
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.core.fsdp import lightning_fsdp_arguments
 from lightning_trn.core.model_parallel import lightning_model_parallel_arguments
+from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks.registry import TESTED_LIGHTNING, lightning_version_tested
 from lightning_trn.hooks.throughput import install_throughput_hooks
 from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.pytorch.strategies import (
-    NeuronDDPStrategy, NeuronFSDPStrategy, NeuronModelParallelStrategy, NeuronStrategyMixin, SingleDeviceNeuronStrategy,
+    NeuronDDPStrategy,
+    NeuronFSDPStrategy,
+    NeuronModelParallelStrategy,
+    NeuronStrategyBase,
+    SingleDeviceNeuronStrategy,
 )
 from lightning_trn.runtime import neuron_hardware_present
 
@@ -44,8 +50,11 @@ _HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_
 _NAME = NeuronAccelerator.name()
 _DDP_STRATEGY_NAME = NeuronDDPStrategy.strategy_name
 _NEURON_STRATEGY_NAMES = (
-    _DDP_STRATEGY_NAME, NeuronDDPStrategy.zero1_strategy_name, SingleDeviceNeuronStrategy.strategy_name,
-    NeuronModelParallelStrategy.strategy_name, NeuronFSDPStrategy.strategy_name,
+    _DDP_STRATEGY_NAME,
+    NeuronDDPStrategy.zero1_strategy_name,
+    SingleDeviceNeuronStrategy.strategy_name,
+    NeuronModelParallelStrategy.strategy_name,
+    NeuronFSDPStrategy.strategy_name,
 )
 #: Lightning's FSDP strategy names, served by `NeuronFSDPStrategy`
 _FSDP_NAMES = ("fsdp", "fsdp_cpu_offload")
@@ -60,17 +69,19 @@ class _API:
     name: str
     #: where the API's Neuron classes are public
     package: str
-    connector: type
+    #: the connector class (`_AcceleratorConnector`, `_Connector`), whose methods `_install_connector_hooks` replaces
+    #: by name: the two classes share those names, not a type
+    connector: Any
     accelerators: Any
     strategies: Any
-    strategy_base: type
-    single: type
-    ddp: type
-    model_parallel: type
+    strategy_base: type[NeuronStrategyCore]
+    single: type[NeuronStrategyCore]
+    ddp: type[NeuronStrategyCore]
+    model_parallel: type[NeuronStrategyCore]
     #: Lightning's `ModelParallelStrategy` of this API, which a Neuron run replaces by `model_parallel`
     lightning_model_parallel: type
     #: the Neuron strategy for Lightning's `FSDPStrategy` arguments, and Lightning's
-    fsdp: type
+    fsdp: type[NeuronStrategyCore]
     lightning_fsdp: type
     #: the connector's Neuron precision plugin, or None when the user passed a precision plugin object
     precision: Callable[[Any], Any]
@@ -90,14 +101,33 @@ def _fabric_precision(connector: _Connector) -> Any:
 
 
 TRAINER = _API(
-    "Trainer", "lightning_trn", _AcceleratorConnector, AcceleratorRegistry, StrategyRegistry, NeuronStrategyMixin,
-    SingleDeviceNeuronStrategy, NeuronDDPStrategy, NeuronModelParallelStrategy, ModelParallelStrategy,
-    NeuronFSDPStrategy, FSDPStrategy, _trainer_precision,
+    "Trainer",
+    "lightning_trn",
+    _AcceleratorConnector,
+    AcceleratorRegistry,
+    StrategyRegistry,
+    NeuronStrategyBase,
+    SingleDeviceNeuronStrategy,
+    NeuronDDPStrategy,
+    NeuronModelParallelStrategy,
+    ModelParallelStrategy,
+    NeuronFSDPStrategy,
+    FSDPStrategy,
+    _trainer_precision,
 )
 FABRIC = _API(
-    "Fabric", "lightning_trn.fabric", _Connector, FABRIC_ACCELERATORS, FABRIC_STRATEGIES,
-    fabric.strategies.NeuronFabricStrategyMixin, fabric.SingleDeviceNeuronStrategy, fabric.NeuronDDPStrategy,
-    fabric.NeuronModelParallelStrategy, FabricModelParallelStrategy, fabric.NeuronFSDPStrategy, FabricFSDPStrategy,
+    "Fabric",
+    "lightning_trn.fabric",
+    _Connector,
+    FABRIC_ACCELERATORS,
+    FABRIC_STRATEGIES,
+    fabric.strategies.NeuronFabricStrategyBase,
+    fabric.SingleDeviceNeuronStrategy,
+    fabric.NeuronDDPStrategy,
+    fabric.NeuronModelParallelStrategy,
+    FabricModelParallelStrategy,
+    fabric.NeuronFSDPStrategy,
+    FabricFSDPStrategy,
     _fabric_precision,
 )
 

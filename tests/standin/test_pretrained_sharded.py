@@ -17,19 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_trn import load_pretrained, meta_model_from_pretrained
 from tests.launch import child_env
-from tests.test_pretrained import Folder, check_single_device, save_llama
+from tests.test_pretrained import TINY, Folder, check_single_device, save_llama
+
+pytestmark = pytest.mark.native_only
 
 SCRIPT = Path(__file__).parent / "scripts" / "pretrained_load.py"
 RUN_TIMEOUT_S = 240
 #: under FSDP2 on 2 ranks: ~92 MB in fp32, so that half of it stands far above the allocator's and Python's noise;
 #: every size shards unevenly (vocabulary 1001, hidden 516, MLP 1378) and the embeddings are tied
-FSDP_SIZES = dict(vocab_size=1001, hidden_size=516, intermediate_size=1378, num_hidden_layers=8,
-                  num_attention_heads=6, num_key_value_heads=2)
-#: what a rank's host may grow by beyond its shards and one tensor, before any byte is read: measured ~2 MB while
-#: the meta tensors get their (sharded) storage and ~1 MB for the rotary buffer's init (Hugging Face's code); the
-#: whole model read on each rank would add ~46 MB more
-SLACK_BYTES = 4 << 20
+FSDP_SIZES = {"vocab_size": 1001, "hidden_size": 516, "intermediate_size": 1378, "num_hidden_layers": 8,
+              "num_attention_heads": 6, "num_key_value_heads": 2}
+#: Linux's default `fault_around_bytes`: a page fault in a file mapping maps up to this much of the file around it
+FAULT_AROUND_BYTES = 64 << 10
 
 
 def launch(folder: Folder, out: Path, dp: int, tp: int, *options: str) -> list[dict]:
@@ -46,12 +47,32 @@ def launch(folder: Folder, out: Path, dp: int, tp: int, *options: str) -> list[d
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Folder, list[dict]]:
+    """The FSDP2 run, each rank first loading the small `save_llama` folder unmeasured (`--warmup`): what a
+    process pays once, whatever the model's size, is paid before the measured load."""
     folder = save_llama(tmp_path_factory.mktemp("fsdp_model"), max_shard_size="40MB", **FSDP_SIZES)
-    return folder, launch(folder, tmp_path_factory.mktemp("fsdp"), 2, 1, "--trainer")
+    small = save_llama(tmp_path_factory.mktemp("warmup_model"))
+    return folder, launch(folder, tmp_path_factory.mktemp("fsdp"), 2, 1, "--trainer", "--warmup", str(small.path))
 
 
 def test_single_device(tmp_path: Path) -> None:
     check_single_device(save_llama(tmp_path), torch.device("neuron"))
+
+
+def test_on_fake_tensors_a_folder_with_only_its_config_serves(tmp_path: Path) -> None:
+    """Under a `FakeTensorMode` (the estimator's simulation) nothing is read: the meta tensors become fake ones on
+    the device, tied ones tied, and `config.json` alone serves; outside one, the weights are required."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from transformers import LlamaConfig
+
+    LlamaConfig(**TINY).save_pretrained(tmp_path)
+    model = meta_model_from_pretrained(tmp_path)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert load_pretrained(model, tmp_path, device=torch.device("neuron")) is model
+    tensors = [*model.parameters(), *model.buffers()]
+    assert tensors and all(isinstance(t, FakeTensor) and t.device.type == "neuron" for t in tensors)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_pretrained(meta_model_from_pretrained(tmp_path), tmp_path, device=torch.device("neuron"))
 
 
 def test_fsdp2_logits_and_each_rank_reads_only_its_shards(fsdp: tuple[Folder, list[dict]]) -> None:
@@ -65,12 +86,22 @@ def test_fsdp2_logits_and_each_rank_reads_only_its_shards(fsdp: tuple[Folder, li
 
 
 def test_fsdp2_host_peak_is_a_shard_plus_one_tensor(fsdp: tuple[Folder, list[dict]]) -> None:
-    """VmHWM over VmRSS before loading, in each rank: its shards (on the stand-in device: host memory) and the one
-    block being read; the whole model would be twice the bound."""
+    """In each rank (`HostPeak` in the script): VmHWM over VmRSS before loading is at most its shards (on the
+    stand-in device: host memory) and one tensor; the whole model would be twice the bound. And each read rises at
+    most one tensor above what stays resident after it: its block's file pages while mapped and its copy, two
+    blocks, which at 2 ranks is one tensor (measured 0.91-0.98 of the largest), plus the pages the kernel maps
+    around a fault in a file mapping (`FAULT_AROUND_BYTES`, at either end of the block). Reading whole tensors and
+    slicing them breaks the peak's bound already (49.41 MB over 49.38 MB, checked once).
+
+    The first load in a process also pays a fixed ~1.5 MB, whatever the model's size (measured here as the small
+    folder's `warmup_peak_bytes`, of 0.1 MB of weights): the file-backed code pages of the functions that run for
+    the first time, ~1 MB, which VmRSS counts, and the caches those functions fill. The warm-up load pays it, so
+    the peak's bound holds with no allowance."""
     folder, runs = fsdp
     largest = max(t.nbytes for t in _saved(folder).values())
     for run in runs:
-        assert run["load_peak_bytes"] <= run["held_bytes"] + largest + SLACK_BYTES, (run, largest)
+        assert run["load_peak_bytes"] <= run["held_bytes"] + largest, (run, largest)
+        assert run["read_transient_bytes"] <= largest + 2 * FAULT_AROUND_BYTES, (run, largest)
 
 
 def test_data_parallel_2_x_tensor_parallel_2(tmp_path: Path) -> None:

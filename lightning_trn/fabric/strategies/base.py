@@ -1,5 +1,7 @@
-"""`NeuronFabricStrategyMixin`: what Fabric's Neuron strategies add to the shared device logic
-(`lightning_trn.core.strategy`): Fabric's hooks for moving modules and optimizers, the graph cut, checkpoints.
+"""`NeuronFabricStrategyBase`: the base of every Fabric Neuron strategy, over Lightning Fabric's strategy class: what
+it adds to the shared device logic (`lightning_trn.core.strategy`): Fabric's hooks for moving modules and optimizers,
+the graph cut, checkpoints. `setup_module` and `setup_optimizer` run the strategy's `setup_module_steps` and
+`setup_optimizer_steps`, each a method `_<name>(module or optimizer)` returning it (docs/architecture.md lists them).
 
 Where the graph is cut (one compiled graph per step, nothing read from the device between steps): after each
 `optimizer.step()` (the step's forward, backward, gradient reduction and update become one graph), and when the next
@@ -15,13 +17,15 @@ a loop that re-enters that epoch continues exactly where the saved run was.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.core.gradients import clip_grad_norm_
@@ -29,11 +33,23 @@ from lightning_trn.core.random_state import RANDOM_STATE_KEY
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.fabric.precision import NeuronPrecision
 
+# the type checker sees Lightning's strategy members here; at run time each strategy names its Lightning class after
+# this base, which keeps it out of the MRO in between (`object` changes nothing)
+if TYPE_CHECKING:
+    from lightning.fabric.strategies import Strategy as _LightningStrategy
+else:
+    _LightningStrategy = object
 
-class NeuronFabricStrategyMixin(NeuronStrategyCore):
-    """Mixed into Fabric's strategy classes; data-parallel strategies override `reduce_gradients`."""
 
-    _precision: Optional[Precision]
+class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
+    """Over Fabric's strategy classes; data-parallel strategies override `reduce_gradients`."""
+
+    #: what `setup_module` does, in order: each name is a method `_<name>(module) -> module`
+    setup_module_steps: tuple[str, ...] = ("seed_device_rng", "checkpoint_activations", "lightning_setup_module")
+    #: what `setup_optimizer` does, in order: each name is a method `_<name>(optimizer) -> optimizer`
+    setup_optimizer_steps: tuple[str, ...] = ("point_to_device_parameters", "lightning_setup_optimizer")
+
+    _precision: Precision | None
     #: Lightning's `save_checkpoint` gets the modules and optimizers themselves (sharded strategies collect their
     #: shards), not their state dicts
     saves_stateful_objects: bool = False
@@ -53,18 +69,21 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         self._reduced: list[Optimizer] = []
 
     @property
+    @override
     def precision(self) -> Precision:
         if self._precision is None:
             self._precision = NeuronPrecision()
         return self._precision
 
     @precision.setter
-    def precision(self, precision: Optional[Precision]) -> None:
+    def precision(self, precision: Precision | None) -> None:
         self._precision = precision
 
+    @override
     def _neuron_precision(self) -> Precision:
         return self.precision
 
+    @override
     def module_to_device(self, module: Module) -> None:
         """Move to the device keeping tied weights tied, and remember which device Parameter replaced which host one
         (on XLA moving creates new Parameters, which optimizers built on the host do not know)."""
@@ -73,22 +92,51 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         after = dict(module.named_parameters())
         self._moved.update({old: after[name] for name, old in before.items() if after[name] is not old})
 
+    @override
     def setup_module(self, module: Module) -> Module:
-        """Seed the device's random generator from `fabric.seed_everything` (dropout, stochastic rounding); apply the
-        activation-checkpointing policy."""
+        """The strategy's `setup_module_steps`, in order."""
+        for name in self.setup_module_steps:
+            module = getattr(self, f"_{name}")(module)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The strategy's `setup_optimizer_steps`, in order."""
+        for name in self.setup_optimizer_steps:
+            optimizer = getattr(self, f"_{name}")(optimizer)
+        return optimizer
+
+    def _seed_device_rng(self, module: Module) -> Module:
+        """Seed the device's random generator from `fabric.seed_everything` (dropout, stochastic rounding), once."""
         if not self._device_seeded:
             self._seed_device()
             self._device_seeded = True
-        self._apply_activation_checkpointing(module)
-        return super().setup_module(module)  # type: ignore[misc]
+        return module
 
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+    def _checkpoint_activations(self, module: Module) -> Module:
+        """Apply `activation_checkpointing_policy` to the module (before any sharding)."""
+        self._apply_activation_checkpointing(module)
+        return module
+
+    def _lightning_setup_module(self, module: Module) -> Module:
+        return super().setup_module(module)
+
+    def _sync_torchmetrics(self, module: Module) -> Module:
+        """Route the module's torchmetrics syncs through the collectives (multi-process strategies)."""
+        self._route_metric_syncs(module)
+        return module
+
+    def _point_to_device_parameters(self, optimizer: Optimizer) -> Optimizer:
         """Point an optimizer built on the host parameters to the device ones (Fabric does this for its XLA strategy
         only)."""
         for group in optimizer.param_groups:
             group["params"] = [self._moved.get(parameter, parameter) for parameter in group["params"]]
-        return super().setup_optimizer(optimizer)  # type: ignore[misc]
+        return optimizer
 
+    def _lightning_setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        return super().setup_optimizer(optimizer)
+
+    @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """Batches are copied to the device in the background while the previous step runs; the graph is cut before
         a batch when no optimizer step did since the last one (module docstring)."""
@@ -105,21 +153,19 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         self._seed_batch(self._batches_taken)
         self._batches_taken += 1
 
-    def reduce_gradients(self, optimizer: Optimizer) -> None:
-        """Between backward and the update; single-device strategies have nothing to reduce."""
-
     def _reduce_for_step(self, optimizer: Optimizer) -> None:
         """Reduce the gradients for `optimizer`'s coming step, unless done already (clipping reduces first)."""
         if not any(optimizer is reduced for reduced in self._reduced):
             self.reduce_gradients(optimizer)
             self._reduced.append(optimizer)
 
+    @override
     def clip_gradients_norm(
         self,
         module: Module,
         optimizer: Optimizer,
-        max_norm: Union[float, int],
-        norm_type: Union[float, int] = 2.0,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip by the norm of all gradients together, DTensor gradients (FSDP2, tensor parallel) whatever their
@@ -127,22 +173,24 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         self.precision.unscale_gradients(optimizer)
         return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Reduce gradients, update, then cut the graph once so the whole step compiles as one graph."""
         self._reduce_for_step(optimizer)
-        output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        output = super().optimizer_step(optimizer, **kwargs)
         self._reduced = [reduced for reduced in self._reduced if reduced is not optimizer]
         self._after_update(optimizer)
         self.runtime.sync()
         self._cut_after_step = True
         return output
 
+    @override
     def save_checkpoint(
         self,
         path: _PATH,
         state: dict[str, Any],
-        storage_options: Optional[Any] = None,
-        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Materialise pending device work first, so the tensors copied to the host are the current ones; the file
         holds CPU tensors only (`NeuronCheckpointIO`), as the Trainer's do, and every rank's random state. Called on
@@ -152,15 +200,16 @@ class NeuronFabricStrategyMixin(NeuronStrategyCore):
         random_state = self._random_state_to_save(self._loaders, None, batches=self._batches_taken)
         state = {**state, RANDOM_STATE_KEY: random_state}
         if not self.saves_stateful_objects:
-            state, filter = self._convert_stateful_objects_in_state(state, filter or {}), None  # type: ignore
+            state, filter = self._convert_stateful_objects_in_state(state, filter or {}), None
         with self._save_destination(path) as target:
             state, target = self._split_checkpoint(state, target)
-            super().save_checkpoint(target, state, storage_options=storage_options, filter=filter)  # type: ignore
+            super().save_checkpoint(target, state, storage_options=storage_options, filter=filter)
 
-    def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    @override
+    def load_checkpoint(self, path: _PATH, state: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state, or says
         once why the resume is not exact. Set up the dataloaders before loading."""
-        remainder = super().load_checkpoint(path, state, *args, **kwargs)  # type: ignore[misc]
+        remainder = super().load_checkpoint(path, state, *args, **kwargs)
         if isinstance(state, dict) and state:
             entry = self._restore_random_state(remainder.pop(RANDOM_STATE_KEY, None), self._loaders, skip=True)
             if entry is not None:

@@ -29,6 +29,8 @@ from lightning_trn.core.distributed_checkpoint import (
     METADATA_FILE, DistributedCheckpointReader, load_consolidated, write_consolidated, write_safetensors,
 )
 
+pytestmark = pytest.mark.both
+
 SCALE = 64
 #: the small checkpoint's ranks (the 8B-shaped one has 64)
 RANKS = 8

@@ -1,10 +1,16 @@
-"""`NeuronStrategyMixin`: what every Neuron strategy does the same way, single-device or data-parallel."""
+"""`NeuronStrategyBase`: the base of every Trainer Neuron strategy, over Lightning's strategy class.
+
+`setup` runs the strategy's `setup_steps` in order, each a method `_<name>(trainer)` defined once, here or in the
+strategy that adds it; docs/architecture.md lists each strategy's steps.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
@@ -12,20 +18,32 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import XLAProfiler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.core.random_state import RANDOM_STATE_KEY
 from lightning_trn.core.sharded_save import remove
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks import registry as lightning_hooks
+from lightning_trn.hooks.contract import HookContract
 from lightning_trn.hooks.logging import settle_progress_bar_metrics
 from lightning_trn.hooks.loop_shortcuts import install_run_shortcuts
 from lightning_trn.precompile import GRAPHS_ONLY_ENV, apply_precompile_limits, graphs_only
 from lightning_trn.pytorch.callbacks.progress_bar import HostSyncFreeMetricsMixin, host_sync_free_replacement
 from lightning_trn.pytorch.precision import NeuronPrecision
+from lightning_trn.pytorch.strategies.host_signals import install_host_sigterm_sync
+
+# the type checker sees Lightning's strategy members here; at run time each strategy names its Lightning class after
+# this base, which keeps it out of the MRO in between (`object` changes nothing)
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy as _LightningStrategy
+else:
+    _LightningStrategy = object
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +62,8 @@ def _resume_position(trainer: pl.Trainer) -> Callable[[], int]:
 
     def position() -> int:
         if trainer.training and fit_loop.restarting and not progress.is_last_batch:
-            return progress.current.processed
+            # Lightning declares `current` a `_ReadyCompletedTracker`; it holds a `_ProcessedTracker`
+            return progress.current.processed  # type: ignore[attr-defined]  # see above
         return 0
 
     return position
@@ -60,23 +79,29 @@ def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
     """Whether a run resumed from a checkpoint taken now continues inside the current training epoch (the loader
     then skips the batches done, see `_resume_position`), rather than at the next epoch's start."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
-    return trainer.training and not progress.is_last_batch and progress.current.processed > 0
+    # Lightning declares `current` a `_ReadyCompletedTracker`; it holds a `_ProcessedTracker`
+    processed: int = progress.current.processed  # type: ignore[attr-defined]  # see above
+    return trainer.training and not progress.is_last_batch and processed > 0
 
 
-class NeuronStrategyMixin(NeuronStrategyCore):
-    """Mixed into a Lightning strategy: device placement, prefetching, one graph cut per optimizer step, portable
+class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
+    """Over a Lightning strategy class: device placement, prefetching, one graph cut per optimizer step, portable
     checkpoints. Strategies override `reduce_gradients` to all-reduce between backward and the optimizer update."""
 
-    #: read by `lightning_trn.hooks.logging`: leave `prog_bar=True` values as tensors instead of syncing per step
-    defer_progress_bar_metrics: bool = False
-    #: read by `lightning_trn.hooks.logging`: repeated `self.log` calls update Lightning's stored result directly
-    fast_log: bool = True
-    #: read by `lightning_trn.hooks.loop_shortcuts`: `reduce` takes host tensors (data-parallel: over the host group)
-    reduces_host_tensors: bool = True
-    #: read by `lightning_trn.hooks.logging`: epoch-level logged values are computed from host copies of their
-    #: states (one transfer), not as small graphs (in one-process runs)
-    epoch_values_on_host: bool = True
-    _precision_plugin: Optional[Precision]
+    #: what `setup` does, in order: each name is a method `_<name>(trainer)`
+    setup_steps: tuple[str, ...] = (
+        "hold_lightning_hooks",
+        "seed_device_rng",
+        "checkpoint_activations",
+        "lightning_setup",
+        "limit_precompile",
+        "swap_progress_bar",
+        "evaluate_under_no_grad",
+        "install_run_shortcuts",
+        "start_profiler_trace",
+        "detect_batch_transfer_hooks",
+    )
+    _precision_plugin: Precision | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -88,49 +113,73 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         #: this strategy's run holds the hooks into Lightning's internals (`lightning_trn.hooks.registry`)
         self._holds_lightning_hooks = False
         #: where the runtime records the `XLAProfiler` trace of the current run (None: no trace running)
-        self._trace_dir: Optional[str] = None
+        self._trace_dir: str | None = None
         #: the random state of the checkpoint `fit` resumes from, put back at `on_train_start`
         self._resume_random_state: Any = _NOT_RESUMING
+        #: what the hooks into Lightning's internals read from this strategy (`lightning_trn.hooks.contract`)
+        self.hook_contract = HookContract()
 
     @property
+    @override
     def precision_plugin(self) -> Precision:
         if self._precision_plugin is None:
             self._precision_plugin = NeuronPrecision()
         return self._precision_plugin
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = plugin
 
+    @override
     def _neuron_precision(self) -> Precision:
         return self.precision_plugin
 
+    @override
     def model_to_device(self) -> None:
-        self._move_keeping_ties(self.model)  # type: ignore[attr-defined]
+        assert self.model is not None  # Lightning moves the model once it is connected
+        self._move_keeping_ties(self.model)
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Batches are copied to the device in the background while the previous step runs; a training loader
         resumes mid-epoch at the fit loop's own count."""
-        module = self._lightning_module  # type: ignore[attr-defined]
+        module = self._lightning_module
         trainer = module._trainer if module is not None else None
         return self._prefetching(dataloader, position=None if trainer is None else _resume_position(trainer))
 
-    def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
+    @override
+    def batch_to_device(self, batch: Any, device: Any | None = None, dataloader_idx: int = 0) -> Any:
         """A batch just delivered by the device prefetcher is on the device already: hand it over as it is, unless a
         batch-transfer hook is overridden. Lightning's path would walk it through two more hooks and a `.to()` per
         tensor that changes nothing (host time every step)."""
         if device is None and self._batch_transfer_is_default and self._delivered(batch):
             return batch
-        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+        return super().batch_to_device(batch, device, dataloader_idx)
 
-    def reduce_gradients(self, optimizer: Optimizer) -> None:
-        """Hook between backward and the optimizer update; single-device strategies have nothing to reduce."""
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min (multi-process strategies; one process:
+        Lightning's); non-tensors are returned unchanged."""
+        if self._process_group is None:
+            # the concrete Lightning class after this one in the MRO implements it
+            return super().reduce(tensor, group, reduce_op)  # type: ignore[safe-super]  # see above
+        return self.all_reduce(tensor, group, reduce_op)
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._explain_failure(exception)
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
         closure: Callable[[], Any],
-        model: Optional[Any] = None,
+        model: Any | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run forward/backward, reduce gradients, update, then cut the graph once so the step compiles as one."""
@@ -140,12 +189,13 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             self.reduce_gradients(optimizer)
             return result
 
-        output = super().optimizer_step(optimizer, closure_and_reduce, model, **kwargs)  # type: ignore[misc]
+        output = super().optimizer_step(optimizer, closure_and_reduce, model, **kwargs)
         self._after_update(optimizer)
         self.runtime.sync()
         self._cut_after_step = True
         return output
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Cut the graph before this step unless the previous step ended with its optimizer-step cut.
 
@@ -159,51 +209,58 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         if batch_idx == 0 or not self._cut_after_step:
             self.runtime.sync()
         self._cut_after_step = False
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        assert self.lightning_module is not None  # called by the Trainer's fit loop
+        trainer = self.lightning_module.trainer
         self._seed_batch(trainer.fit_loop.epoch_loop.total_batch_idx)
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        super().on_train_batch_start(batch, batch_idx)
 
+    @override
     def on_train_start(self) -> None:
         """Resuming a checkpoint: put back its random state (host, training loaders, device seed) now, after the
         sanity check and before the first training batch is drawn, or say once why the resume is not exact."""
-        super().on_train_start()  # type: ignore[misc]
+        super().on_train_start()
         if self._resume_random_state is not _NOT_RESUMING:
             saved, self._resume_random_state = self._resume_random_state, _NOT_RESUMING
-            trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+            assert self.lightning_module is not None  # called by the Trainer's fit loop
+            trainer = self.lightning_module.trainer
             self._restore_random_state(saved, _train_prefetchers(trainer))
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's load; when `fit` resumes the checkpoint, its random state is kept for `on_train_start`."""
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
-        module = self._lightning_module  # type: ignore[attr-defined]
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        module = self._lightning_module
         if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
             self._resume_random_state = checkpoint.pop(RANDOM_STATE_KEY, None)
         return checkpoint
 
+    @override
     def on_validation_end(self) -> None:
         self._cut_after_step = False  # epoch-end work of the validation loop is pending
-        super().on_validation_end()  # type: ignore[misc]
+        super().on_validation_end()
 
     def _step_then_cut(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         output = step(*args, **kwargs)
         self.runtime.sync()
         return output
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Each evaluation step is one graph: cut right after it, so the next batch is traced while it runs."""
-        return self._step_then_cut(super().validation_step, *args, **kwargs)  # type: ignore[misc]
+        return self._step_then_cut(super().validation_step, *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """See `validation_step`."""
-        return self._step_then_cut(super().test_step, *args, **kwargs)  # type: ignore[misc]
+        return self._step_then_cut(super().test_step, *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """See `validation_step`."""
-        return self._step_then_cut(super().predict_step, *args, **kwargs)  # type: ignore[misc]
+        return self._step_then_cut(super().predict_step, *args, **kwargs)
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Materialise pending device work first, so the tensors copied to the host are the current ones; add every
         rank's random state (`lightning_trn.core.random_state`). Called on every rank. A sharded checkpoint (a
         directory every rank writes part of) replaces the previous one only once complete
@@ -215,55 +272,93 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             log.info("lightning_trn: %s=1, outputs are fake: not saving checkpoint %s.", GRAPHS_ONLY_ENV, filepath)
             return
         self.runtime.sync()
-        module = self._lightning_module  # type: ignore[attr-defined]
+        module = self._lightning_module
         if module is not None and module._trainer is not None:
             trainer = module._trainer
             random_state = self._random_state_to_save(_train_prefetchers(trainer), _resumes_mid_epoch(trainer))
             checkpoint = {**checkpoint, RANDOM_STATE_KEY: random_state}
         with self._save_destination(filepath) as target:
             checkpoint, target = self._split_checkpoint(checkpoint, target)
-            super().save_checkpoint(checkpoint, target, storage_options=storage_options)  # type: ignore[misc]
+            super().save_checkpoint(checkpoint, target, storage_options=storage_options)
 
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes a local checkpoint directory (`ModelCheckpoint`'s `save_top_k`) by renaming it to a hidden
         name first (`lightning_trn.core.sharded_save.remove`): a kill never leaves half of it under its name."""
-        if not (self.is_global_zero and os.path.isdir(filepath)):  # type: ignore[attr-defined]
-            super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if not (self.is_global_zero and os.path.isdir(filepath)):
+            super().remove_checkpoint(filepath)
             return
         remove(filepath)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """The strategy's `setup_steps`, in order."""
+        self._run_steps(self.setup_steps, trainer)
+
+    def _run_steps(self, steps: tuple[str, ...], trainer: pl.Trainer) -> None:
+        for name in steps:
+            getattr(self, f"_{name}")(trainer)
+
+    def _hold_lightning_hooks(self, trainer: pl.Trainer) -> None:
+        """Install the hooks into Lightning's internals for this run (`lightning_trn.hooks.registry`)."""
         if not self._holds_lightning_hooks:
             lightning_hooks.acquire()
             self._holds_lightning_hooks = True
+
+    def _seed_device_rng(self, trainer: pl.Trainer) -> None:
         self._seed_device()
-        self._apply_activation_checkpointing(self.model)  # type: ignore[attr-defined]
-        super().setup(trainer)  # type: ignore[misc]
-        apply_precompile_limits(trainer)  # `python -m lightning_trn.precompile` shortens the run
-        self._use_host_sync_free_progress_bar(trainer)
-        self._evaluate_under_no_grad(trainer)
+
+    def _checkpoint_activations(self, trainer: pl.Trainer) -> None:
+        """Apply `activation_checkpointing_policy` to the model."""
+        assert self.model is not None  # the Trainer connects the model before `setup`
+        self._apply_activation_checkpointing(self.model)
+
+    def _lightning_setup(self, trainer: pl.Trainer) -> None:
+        """Lightning's own setup: the accelerator, the precision's module conversion, the move to the device (or
+        materialization), the optimizers and the precision plugin."""
+        super().setup(trainer)
+
+    def _limit_precompile(self, trainer: pl.Trainer) -> None:
+        """`python -m lightning_trn.precompile` shortens the run."""
+        apply_precompile_limits(trainer)
+
+    def _install_run_shortcuts(self, trainer: pl.Trainer) -> None:
         install_run_shortcuts(trainer)
-        self._start_profiler_trace(trainer)
+
+    def _detect_batch_transfer_hooks(self, trainer: pl.Trainer) -> None:
+        """Whether no batch-transfer hook of the model or datamodule is overridden (`batch_to_device`)."""
+        # Lightning's connectors set `datamodule` on the Trainer; its class does not declare it
+        datamodule = trainer.datamodule  # type: ignore[attr-defined]  # see above
         self._batch_transfer_is_default = not any(
             is_overridden(hook, instance)
-            for instance in (trainer.lightning_module, trainer.datamodule)
+            for instance in (trainer.lightning_module, datamodule)
             if instance is not None
             for hook in _BATCH_TRANSFER_HOOKS
         )
 
+    def _sync_torchmetrics(self, trainer: pl.Trainer) -> None:
+        """Route the LightningModule's torchmetrics syncs through the collectives (multi-process strategies)."""
+        self._route_metric_syncs(self.lightning_module)
+
+    def _agree_on_sigterm(self, trainer: pl.Trainer) -> None:
+        """Agree on SIGTERM over the host group (`lightning_trn.pytorch.strategies.host_signals`)."""
+        assert self._process_group is not None
+        install_host_sigterm_sync(trainer, self._process_group.host_group)
+
+    @override
     def teardown(self) -> None:
         """Hand the deferred progress-bar metrics back as numbers (one host read), then Lightning's teardown, which
         moves the model to the CPU: re-tie the weights that moving off the device untied. Lightning's internals get
         their originals back (`lightning_trn.hooks.registry`)."""
         try:
-            module = self._lightning_module  # type: ignore[attr-defined]
+            module = self._lightning_module
             if module is None:
-                super().teardown()  # type: ignore[misc]
+                super().teardown()
                 return
-            if self.defer_progress_bar_metrics and module._trainer is not None:
+            if self.hook_contract.defer_progress_bar_metrics and module._trainer is not None:
                 settle_progress_bar_metrics(module._trainer)
             shared = find_shared_parameters(module)
-            super().teardown()  # type: ignore[misc]
+            super().teardown()
             set_shared_parameters(module, shared)
         finally:
             self._resume_random_state = _NOT_RESUMING
@@ -278,7 +373,8 @@ class NeuronStrategyMixin(NeuronStrategyCore):
         """With `Trainer(profiler="xla")` Lightning only starts torch_xla's profiler server, for a capture from
         TensorBoard. Record the run as well: the trace is written at teardown, TensorBoard's profile layout, under
         the profiler's `dirpath`, else the Trainer's log dir (`<dir>/xla_trace[/rank<N>]/plugins/profile/<run>/`)."""
-        profiler = trainer.profiler
+        # Lightning's connectors set `profiler` on the Trainer; its class does not declare it
+        profiler = trainer.profiler  # type: ignore[attr-defined]  # see above
         if not isinstance(profiler, XLAProfiler) or self._trace_dir is not None:
             return
         trace_dir = os.path.join(str(profiler.dirpath), "xla_trace")  # the Trainer set it to its log dir if unset
@@ -291,24 +387,28 @@ class NeuronStrategyMixin(NeuronStrategyCore):
             return
         if started:
             self._trace_dir = trace_dir
-            rank_zero_info(f"lightning_trn: recording an XLA profiler trace of this run into {trace_dir} "
-                           "(TensorBoard's profile plugin reads it).")
+            rank_zero_info(
+                f"lightning_trn: recording an XLA profiler trace of this run into {trace_dir} "
+                "(TensorBoard's profile plugin reads it)."
+            )
 
-    @staticmethod
-    def _evaluate_under_no_grad(trainer: pl.Trainer) -> None:
+    def _evaluate_under_no_grad(self, trainer: pl.Trainer) -> None:
         """XLA tensors fail under `torch.inference_mode` ("Cannot set version_counter for inference tensor");
         Lightning switches its loops to `no_grad` only for its own XLAAccelerator, so do it here."""
         loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
         for loop in loops:
             loop.inference_mode = False
 
-    def _use_host_sync_free_progress_bar(self, trainer: pl.Trainer) -> None:
+    def _swap_progress_bar(self, trainer: pl.Trainer) -> None:
         """Swap Lightning's stock progress bar for one that reads the device only at logging intervals, and keep
         progress-bar metrics as tensors (`defer_progress_bar_metrics`) when no other bar needs them every step."""
         bar = trainer.progress_bar_callback
         replacement = host_sync_free_replacement(bar)
         if replacement is not None:
-            trainer.callbacks[trainer.callbacks.index(bar)] = replacement
+            # Lightning's connectors set `callbacks` on the Trainer; its class does not declare it
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]  # see above
+            callbacks[callbacks.index(bar)] = replacement
+            assert trainer.state.fn is not None  # the Trainer's entry point set it before the strategy's setup
             replacement.setup(trainer, trainer.lightning_module, stage=trainer.state.fn)
             bar = replacement
         elif bar is not None and not isinstance(bar, HostSyncFreeMetricsMixin):
@@ -317,4 +417,5 @@ class NeuronStrategyMixin(NeuronStrategyCore):
                 "at every refresh, a host sync that stalls the device each time (Lightning's own TQDMProgressBar and "
                 "RichProgressBar are swapped for host-sync-free ones that keep your options)."
             )
-        self.defer_progress_bar_metrics = bar is None or isinstance(bar, HostSyncFreeMetricsMixin)
+        defer = bar is None or isinstance(bar, HostSyncFreeMetricsMixin)
+        self.hook_contract = replace(self.hook_contract, defer_progress_bar_metrics=defer)

@@ -7,8 +7,6 @@ and nothing is counted twice.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -49,7 +47,7 @@ class _RowDataset(Dataset):
 class TensorDataModule(pl.LightningDataModule):
     """Train/val/test splits held as tensors; batches are dicts with the split's keys plus `weight`."""
 
-    def __init__(self, train: Tensors, val: Tensors, test: Optional[Tensors], batch_size: int, seed: int) -> None:
+    def __init__(self, train: Tensors, val: Tensors, test: Tensors | None, batch_size: int, seed: int) -> None:
         super().__init__()
         self.splits = {"train": train, "val": val, "test": test}
         self.batch_size = batch_size

@@ -19,8 +19,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_trn.recipes.data import shuffled_split
-from lightning_trn.recipes.llm import IGNORE_INDEX  # the label the recipe's loss skips (prompt, template, padding)
+from lightning_trn.recipes.llm.data import IGNORE_INDEX
+from lightning_trn.recipes.tensor_datamodule import shuffled_split
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:
@@ -36,8 +36,9 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
     for number, row in enumerate(rows, 1):
         if not (isinstance(row.get("messages"), list) or {"prompt", "response"} <= set(row)):
-            raise ValueError(f"{path}:{number}: expected {{\"prompt\", \"response\"}} or {{\"messages\": [...]}}, "
-                             f"got keys {sorted(row)}.")
+            raise ValueError(
+                f'{path}:{number}: expected {{"prompt", "response"}} or {{"messages": [...]}}, got keys {sorted(row)}.'
+            )
     return rows
 
 
@@ -71,13 +72,17 @@ def encode_row(tokenizer: Any, row: Mapping[str, Any]) -> tuple[list[int], list[
         before = _render(tokenizer, messages[:turn], add_generation_prompt=True) if turn else ""
         through = _render(tokenizer, messages[: turn + 1])
         if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError("The tokenizer's chat template renders the start of a conversation differently once "
-                             "more turns follow, so the assistant turns cannot be found: use prompt/response rows.")
+            raise ValueError(
+                "The tokenizer's chat template renders the start of a conversation differently once "
+                "more turns follow, so the assistant turns cannot be found: use prompt/response rows."
+            )
         spans.append((len(before), len(through)))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoding["input_ids"]
-    labels = [token if any(start < span_end and end > span_start for span_start, span_end in spans) else IGNORE_INDEX
-              for token, (start, end) in zip(ids, encoding["offset_mapping"])]
+    labels = [
+        token if any(start < span_end and end > span_start for span_start, span_end in spans) else IGNORE_INDEX
+        for token, (start, end) in zip(ids, encoding["offset_mapping"], strict=True)
+    ]
     return ids, labels
 
 
@@ -92,8 +97,10 @@ def blocks(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id:
         pad = seq_len - len(ids)
         input_ids.append(ids + [pad_id] * pad)
         labels.append(row_labels + [IGNORE_INDEX] * pad)
-    return {"input_ids": torch.tensor(input_ids, dtype=torch.long).view(-1, seq_len),
-            "labels": torch.tensor(labels, dtype=torch.long).view(-1, seq_len)}
+    return {
+        "input_ids": torch.tensor(input_ids, dtype=torch.long).view(-1, seq_len),
+        "labels": torch.tensor(labels, dtype=torch.long).view(-1, seq_len),
+    }
 
 
 class _Rows(Dataset):
@@ -122,20 +129,25 @@ class SFTDataModule(pl.LightningDataModule):
         for name, split in splits.items():
             rows = len(split["input_ids"])
             if rows == 0 or (name == "train" and rows < batch_size):
-                raise ValueError(f"The {name} split has {rows} rows with response tokens, fewer than one batch of "
-                                 f"{batch_size}: add rows, raise data.seq_len or lower data.batch_size.")
+                raise ValueError(
+                    f"The {name} split has {rows} rows with response tokens, fewer than one batch of "
+                    f"{batch_size}: add rows, raise data.seq_len or lower data.batch_size."
+                )
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(_Rows(self.splits["train"]), batch_size=self.batch_size, shuffle=True, generator=generator,
-                          drop_last=True)
+        return DataLoader(
+            _Rows(self.splits["train"]), batch_size=self.batch_size, shuffle=True, generator=generator, drop_last=True
+        )
 
     def _eval_loader(self, name: str) -> DataLoader:
         split = self.splits[name]
         rows, seq_len = split["input_ids"].shape
         pad = -rows % self.batch_size
-        padded = {"input_ids": torch.cat([split["input_ids"], torch.full((pad, seq_len), self.pad_id)]),
-                  "labels": torch.cat([split["labels"], torch.full((pad, seq_len), IGNORE_INDEX)])}
+        padded = {
+            "input_ids": torch.cat([split["input_ids"], torch.full((pad, seq_len), self.pad_id)]),
+            "labels": torch.cat([split["labels"], torch.full((pad, seq_len), IGNORE_INDEX)]),
+        }
         return DataLoader(_Rows(padded), batch_size=self.batch_size)
 
     def val_dataloader(self) -> DataLoader:
@@ -151,11 +163,14 @@ def pad_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def sft_datamodule(tokenizer: Any, source: str, seq_len: int, batch_size: int, val_fraction: float,
-                   test_fraction: float, seed: int) -> SFTDataModule:
+def sft_datamodule(
+    tokenizer: Any, source: str, seq_len: int, batch_size: int, val_fraction: float, test_fraction: float, seed: int
+) -> SFTDataModule:
     """The rows of `source` split with `seed` (train, val, test), each encoded (`encode_row`) into blocks."""
     rows = load_rows(source)
     parts = shuffled_split({"i": torch.arange(len(rows))}, (val_fraction, test_fraction), seed)
-    splits = {name: blocks([encode_row(tokenizer, rows[i]) for i in part["i"].tolist()], seq_len, pad_id(tokenizer))
-              for name, part in zip(("train", "val", "test"), parts)}
+    splits = {
+        name: blocks([encode_row(tokenizer, rows[i]) for i in part["i"].tolist()], seq_len, pad_id(tokenizer))
+        for name, part in zip(("train", "val", "test"), parts, strict=True)
+    }
     return SFTDataModule(tokenizer, splits, batch_size, seed)

