@@ -26,10 +26,10 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -38,9 +38,9 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from lightning_trn.runtime import RuntimeMetrics, get_runtime
 from lightning_trn.recipes.cli import load_config
 from lightning_trn.recipes.common import Recipe
+from lightning_trn.runtime import RuntimeMetrics, get_runtime
 
 
 @dataclass(frozen=True)
@@ -73,16 +73,27 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def add_workload_args(parser: argparse.ArgumentParser, repeats: Optional[int] = None) -> None:
+def add_workload_args(parser: argparse.ArgumentParser, repeats: int | None = None) -> None:
     """`--workloads`, `--steps`, `--warmup` (and `--repeats` when `repeats` is given as its default)."""
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None,
-                        help="recipes to run (default: all)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per run (default per workload: "
-                             + ", ".join(f"{w.name} {w.steps}" for w in WORKLOADS.values()) + ")")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed warm-up steps per run (default per workload: "
-                             + ", ".join(f"{w.name} {w.warmup}" for w in WORKLOADS.values()) + ")")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=list(WORKLOADS), default=None, help="recipes to run (default: all)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per run (default per workload: "
+        + ", ".join(f"{w.name} {w.steps}" for w in WORKLOADS.values())
+        + ")",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed warm-up steps per run (default per workload: "
+        + ", ".join(f"{w.name} {w.warmup}" for w in WORKLOADS.values())
+        + ")",
+    )
     if repeats is not None:
         parser.add_argument("--repeats", type=int, default=repeats, help=f"runs per side (default {repeats})")
 
@@ -91,13 +102,16 @@ def selected_workloads(args: argparse.Namespace) -> list[Workload]:
     """The workloads named on the command line with `--steps` / `--warmup` applied."""
     chosen = [WORKLOADS[name] for name in args.workloads] if args.workloads else list(WORKLOADS.values())
     return [
-        replace(w, steps=args.steps if args.steps is not None else w.steps,
-                warmup=args.warmup if args.warmup is not None else w.warmup)
+        replace(
+            w,
+            steps=args.steps if args.steps is not None else w.steps,
+            warmup=args.warmup if args.warmup is not None else w.warmup,
+        )
         for w in chosen
     ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _config_and_loader(name: str) -> tuple[DictConfig, DataLoader]:
     workload = WORKLOADS[name]
     cfg = load_config(workload.recipe, workload.overrides)
@@ -118,8 +132,11 @@ def fresh_module(workload: Workload) -> pl.LightningModule:
 
 def clip_args(cfg: DictConfig) -> dict[str, Any]:
     """The recipe's gradient clipping (`trainer.gradient_clip_val` / `_algorithm`), as Trainer arguments."""
-    return {key: cfg.trainer.get(key) for key in ("gradient_clip_val", "gradient_clip_algorithm")
-            if cfg.trainer.get(key) is not None}
+    return {
+        key: cfg.trainer.get(key)
+        for key in ("gradient_clip_val", "gradient_clip_algorithm")
+        if cfg.trainer.get(key) is not None
+    }
 
 
 def clip_gradients(module: torch.nn.Module, cfg: DictConfig) -> None:
@@ -138,7 +155,7 @@ class Optimization:
     """A module's optimizer and LR scheduler, as a hand-written loop drives them."""
 
     optimizer: torch.optim.Optimizer
-    scheduler: Optional[Any] = None
+    scheduler: Any | None = None
     #: Lightning's `interval`: "step" (after every optimizer step) or "epoch"
     interval: str = "epoch"
 
@@ -210,7 +227,7 @@ class StepClock:
         self._start = get_runtime().metrics()
         self._snapshots: list[RuntimeMetrics] = []
         self.step_kinds: list[str] = []
-        self.result: Optional[Measurement] = None
+        self.result: Measurement | None = None
 
     def step_start(self, index: int) -> None:
         if index == self.warmup:
@@ -224,8 +241,12 @@ class StepClock:
         wait_for_device()
         elapsed, cpu = time.perf_counter() - self._t0, time.process_time() - self._cpu0
         end = get_runtime().metrics()
-        per_step = [b - a for a, b in zip(self._snapshots, [*self._snapshots[1:], end])] if self.record_steps else []
-        kinds = self.step_kinds[self.warmup:] or ["other"] * len(per_step)  # the hand-written loop never logs
+        per_step = (
+            [b - a for a, b in zip(self._snapshots, [*self._snapshots[1:], end], strict=True)]
+            if self.record_steps
+            else []
+        )
+        kinds = self.step_kinds[self.warmup :] or ["other"] * len(per_step)  # the hand-written loop never logs
         self.result = Measurement(
             self.steps / elapsed, 1e3 * cpu / self.steps, end - self._snapshots[0], end - self._start, per_step, kinds
         )
@@ -301,7 +322,7 @@ def _device_batches(loader: DataLoader, device: torch.device, loader_cuts: bool)
         yield from MpDeviceLoader(loader, device, **options)
 
 
-def _host_batches(loader: DataLoader, device: Optional[torch.device] = None) -> Iterator[Any]:
+def _host_batches(loader: DataLoader, device: torch.device | None = None) -> Iterator[Any]:
     """The loader's batches, epoch after epoch, moved to `device` if given."""
     while True:
         for batch in loader:
@@ -383,5 +404,7 @@ def describe_machine() -> str:
         device = f"XLA device {xr.device_type()}"
     else:
         device = f"native backend, {runtime.detect_platform().reason}"
-    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device}, {os.cpu_count()} host cores, "
-            f"torch {torch.__version__}, lightning {pl.__version__}")
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device}, {os.cpu_count()} host cores, "
+        f"torch {torch.__version__}, lightning {pl.__version__}"
+    )

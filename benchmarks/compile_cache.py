@@ -23,7 +23,7 @@ from typing import Any
 if __package__ in (None, ""):  # `python benchmarks/compile_cache.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._harness import WORKLOADS, config_and_loader, format_table, fresh_module  # noqa: E402
+from benchmarks._harness import WORKLOADS, config_and_loader, format_table, fresh_module
 
 _REPO = Path(__file__).resolve().parent.parent
 #: the child's last stdout line starts with this, followed by its figures as JSON
@@ -51,9 +51,16 @@ def child(workload_name: str, cache_dir: str, steps: int) -> None:
                 figures["compiles_first_step"] = get_runtime().metrics().compiles
 
     trainer = pl.Trainer(
-        accelerator="neuron", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[NeuronCompileCache(cache_dir), FirstStep()], default_root_dir=cache_dir,
+        accelerator="neuron",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[NeuronCompileCache(cache_dir), FirstStep()],
+        default_root_dir=cache_dir,
     )
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
@@ -66,15 +73,24 @@ def child(workload_name: str, cache_dir: str, steps: int) -> None:
 
 def run_child(workload: str, cache_dir: str, steps: int) -> dict[str, Any]:
     """One child process (`--child`); returns its figures plus `process_time` (interpreter start to exit)."""
-    command = [sys.executable, "-m", "benchmarks.compile_cache", "--child", cache_dir, "--workload", workload,
-               "--steps", str(steps)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.compile_cache",
+        "--child",
+        cache_dir,
+        "--workload",
+        workload,
+        "--steps",
+        str(steps),
+    ]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, env=dict(os.environ))
     elapsed = time.perf_counter() - start
     lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
     if done.returncode or not lines:
         raise RuntimeError(f"child run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return {**json.loads(lines[-1][len(_RESULT):]), "process_time": elapsed}
+    return {**json.loads(lines[-1][len(_RESULT) :]), "process_time": elapsed}
 
 
 def main(argv: list[str] | None = None) -> list[list[object]]:
@@ -93,19 +109,60 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
             cold = run_child(args.workload, cache_dir, args.steps)
             warm = run_child(args.workload, cache_dir, args.steps)
         for name, run in (("cold", cold), ("warm", warm)):
-            rows.append([repeat + 1, name, f"{run['time_to_first_step']:.2f}", f"{run['fit_time']:.2f}",
-                         f"{run['process_time']:.1f}", run["compiles_first_step"], run["compiles"],
-                         run.get("hits", "-"), run.get("misses", "-"), run.get("unloadable", "-")])
+            rows.append(
+                [
+                    repeat + 1,
+                    name,
+                    f"{run['time_to_first_step']:.2f}",
+                    f"{run['fit_time']:.2f}",
+                    f"{run['process_time']:.1f}",
+                    run["compiles_first_step"],
+                    run["compiles"],
+                    run.get("hits", "-"),
+                    run.get("misses", "-"),
+                    run.get("unloadable", "-"),
+                ]
+            )
         ratio = warm["time_to_first_step"] / cold["time_to_first_step"]
-        rows.append([repeat + 1, "warm / cold", f"{ratio:.2f}", f"{warm['fit_time'] / cold['fit_time']:.2f}",
-                     f"{warm['process_time'] / cold['process_time']:.2f}", "", "", "", "", ""])
-        print(f"[{args.workload}] pair {repeat + 1}/{args.repeats}: time to first step warm/cold {ratio:.2f}",
-              flush=True)
+        rows.append(
+            [
+                repeat + 1,
+                "warm / cold",
+                f"{ratio:.2f}",
+                f"{warm['fit_time'] / cold['fit_time']:.2f}",
+                f"{warm['process_time'] / cold['process_time']:.2f}",
+                "",
+                "",
+                "",
+                "",
+                "",
+            ]
+        )
+        print(
+            f"[{args.workload}] pair {repeat + 1}/{args.repeats}: time to first step warm/cold {ratio:.2f}", flush=True
+        )
     print()
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, workload {args.workload}, {args.steps} steps/run, "
-          f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE', '(unset)')}")
-    print(format_table(["pair", "run", "time to first step (s)", "fit (s)", "process (s)", "compiles by first step",
-                        "compiles", "cache hits", "cache misses", "unloadable"], rows))
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, workload {args.workload}, {args.steps} steps/run, "
+        f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE', '(unset)')}"
+    )
+    print(
+        format_table(
+            [
+                "pair",
+                "run",
+                "time to first step (s)",
+                "fit (s)",
+                "process (s)",
+                "compiles by first step",
+                "compiles",
+                "cache hits",
+                "cache misses",
+                "unloadable",
+            ],
+            rows,
+        )
+    )
     return rows
 
 

@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -59,10 +59,10 @@ from benchmarks._harness import (
     format_table,
     wait_for_device,
 )
-from lightning_trn.runtime import RuntimeMetrics, get_runtime
 from lightning_trn.recipes.classifier import ClassifierModule
 from lightning_trn.recipes.cli import load_config
 from lightning_trn.recipes.common import Recipe, build_trainer
+from lightning_trn.runtime import RuntimeMetrics, get_runtime
 
 #: phases in job order
 PHASES = ("setup", "train", "validation", "epoch end", "checkpoint", "test", "teardown")
@@ -71,10 +71,20 @@ PHASES = ("setup", "train", "validation", "epoch end", "checkpoint", "test", "te
 #: splits); ViT and BERT shortened to 2 epochs of a few batches
 JOBS: dict[str, tuple[str, ...]] = {
     "mlp": (),
-    "vit": ("trainer.max_epochs=2", "trainer.limit_train_batches=20", "trainer.limit_val_batches=4",
-            "trainer.limit_test_batches=4"),
-    "bert": ("trainer.max_epochs=2", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
-             "trainer.limit_test_batches=2", "data.batch_size=8", "data.max_length=64"),
+    "vit": (
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=20",
+        "trainer.limit_val_batches=4",
+        "trainer.limit_test_batches=4",
+    ),
+    "bert": (
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=6",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2",
+        "data.batch_size=8",
+        "data.max_length=64",
+    ),
     "llm": (),
 }
 
@@ -108,7 +118,7 @@ class Ledger:
         self._metrics = get_runtime().metrics()
         self._own = RuntimeMetrics()  # the ledger's own waits since the last `enter`
         self._cpu = time.thread_time()
-        self.first_step_done: Optional[float] = None
+        self.first_step_done: float | None = None
 
     def _wait(self) -> None:
         wait_for_device()
@@ -220,8 +230,13 @@ def run_plugin(workload: str, start: float, overrides: Sequence[str] = (), bare_
         trainer.fit(module, datamodule=data)
         results = trainer.test(module, datamodule=data, verbose=False)[0]
         ledger.enter("teardown")
-    return JobResult("plugin, bare loop" if bare_loop else "plugin", ledger.phases, ledger.first_step_done or 0.0,
-                     time.monotonic() - start, results)
+    return JobResult(
+        "plugin, bare loop" if bare_loop else "plugin",
+        ledger.phases,
+        ledger.first_step_done or 0.0,
+        time.monotonic() - start,
+        results,
+    )
 
 
 class _BareAdvance:
@@ -236,15 +251,20 @@ class _BareAdvance:
     def __init__(self, loop: _TrainingEpochLoop) -> None:
         self.loop = loop
         #: per batch hook, the callbacks' overrides (bound methods), found at the first step
-        self.hooks: Optional[dict[str, list[Callable[..., None]]]] = None
+        self.hooks: dict[str, list[Callable[..., None]]] | None = None
 
     def __call__(self, data_fetcher: _DataFetcher) -> None:
         loop, trainer = self.loop, self.loop.trainer
         if self.hooks is None:
             _check_plain_case(trainer)
-            self.hooks = {hook: [getattr(callback, hook) for callback in trainer.callbacks
-                                 if is_overridden(hook, callback, pl.Callback)]
-                          for hook in ("on_train_batch_start", "on_train_batch_end")}
+            self.hooks = {
+                hook: [
+                    getattr(callback, hook)
+                    for callback in trainer.callbacks
+                    if is_overridden(hook, callback, pl.Callback)
+                ]
+                for hook in ("on_train_batch_start", "on_train_batch_end")
+            }
         module, strategy, connector = trainer.lightning_module, trainer.strategy, trainer._logger_connector
         batch, _, _ = next(data_fetcher)
         batch_idx = loop.batch_idx + 1
@@ -481,8 +501,17 @@ def _row(result: JobResult, phase: str) -> list[Any]:
     m = cost.metrics
     fallbacks = sum(m.cpu_fallbacks.values())
     cpu = f"{1e3 * cost.cpu_s_per_step:.2f} /step" if phase == "train" and cost.steps else f"{1e3 * cost.cpu_s:.0f}"
-    return [result.side, phase, m.compiles, m.executions, m.device_to_host, m.host_syncs, m.scalar_reads, fallbacks,
-            cpu]
+    return [
+        result.side,
+        phase,
+        m.compiles,
+        m.executions,
+        m.device_to_host,
+        m.host_syncs,
+        m.scalar_reads,
+        fallbacks,
+        cpu,
+    ]
 
 
 def _total(result: JobResult) -> RuntimeMetrics:
@@ -498,7 +527,7 @@ def _ratio(a: float, b: float) -> str:
 SYNC_COUNTERS = {"xla": ("device->host transfers", "device_to_host"), "native": ("host syncs", "host_syncs")}
 
 
-def targets(plugin: JobResult, expert: JobResult, backend: Optional[str] = None) -> list[list[Any]]:
+def targets(plugin: JobResult, expert: JobResult, backend: str | None = None) -> list[list[Any]]:
     """The plugin's job against the twin's on `backend` (default: this process's), each bound relative to the twin:
     [target, plugin's figure, limit, met]."""
     p, e = _total(plugin), _total(expert)
@@ -510,37 +539,66 @@ def targets(plugin: JobResult, expert: JobResult, backend: Optional[str] = None)
         [".item() reads <= the twin's (values read in batched transfers)", p.scalar_reads, e.scalar_reads],
         ["CPU fallbacks <= the twin's", sum(p.cpu_fallbacks.values()), sum(e.cpu_fallbacks.values())],
         ["main-thread CPU ms per training step <= 1.1x", round(1e3 * per_step[0], 2), round(1.1e3 * per_step[1], 2)],
-        ["process start -> first step done (s) <= 1.05x", round(plugin.first_step_s, 2),
-         round(1.05 * expert.first_step_s, 2)],
+        [
+            "process start -> first step done (s) <= 1.05x",
+            round(plugin.first_step_s, 2),
+            round(1.05 * expert.first_step_s, 2),
+        ],
     ]
     return [[name, value, limit, "met" if value <= limit else "MISSED"] for name, value, limit in rows]
 
 
 def summary(workload: str, plugin: JobResult, expert: JobResult) -> str:
     """The per-phase table and the per-job totals and ratios, as Markdown."""
-    header = ["side", "phase", "compiles", "executions", "D2H transfers", "host syncs", ".item() reads",
-              "CPU fallbacks", "main-thread CPU ms"]
+    header = [
+        "side",
+        "phase",
+        "compiles",
+        "executions",
+        "D2H transfers",
+        "host syncs",
+        ".item() reads",
+        "CPU fallbacks",
+        "main-thread CPU ms",
+    ]
     rows = [_row(result, phase) for phase in PHASES for result in (plugin, expert)]
     p, e = _total(plugin), _total(expert)
     train_p, train_e = plugin.phases["train"], expert.phases["train"]
     per_step = [train_p.cpu_s_per_step, train_e.cpu_s_per_step]
     totals = format_table(
         ["per job", "plugin", "expert", "plugin / expert"],
-        [["graphs compiled", p.compiles, e.compiles, _ratio(p.compiles, e.compiles)],
-         ["executions", p.executions, e.executions, _ratio(p.executions, e.executions)],
-         ["device->host transfers", p.device_to_host, e.device_to_host, _ratio(p.device_to_host, e.device_to_host)],
-         ["host syncs", p.host_syncs, e.host_syncs, _ratio(p.host_syncs, e.host_syncs)],
-         [".item() reads", p.scalar_reads, e.scalar_reads, _ratio(p.scalar_reads, e.scalar_reads)],
-         ["CPU fallbacks", sum(p.cpu_fallbacks.values()), sum(e.cpu_fallbacks.values()),
-          _ratio(sum(p.cpu_fallbacks.values()), sum(e.cpu_fallbacks.values()))],
-         ["training steps", train_p.steps, train_e.steps, _ratio(train_p.steps, train_e.steps)],
-         ["main-thread CPU ms per training step", f"{1e3 * per_step[0]:.2f}", f"{1e3 * per_step[1]:.2f}",
-          _ratio(*per_step)],
-         ["process start -> first step done (s)", f"{plugin.first_step_s:.2f}", f"{expert.first_step_s:.2f}",
-          _ratio(plugin.first_step_s, expert.first_step_s)],
-         ["wall (s)", f"{plugin.wall_s:.1f}", f"{expert.wall_s:.1f}", _ratio(plugin.wall_s, expert.wall_s)],
-         *[[f"test: {name}", f"{value:.4f}", f"{expert.test[name]:.4f}", ""]
-           for name, value in sorted(plugin.test.items()) if name in expert.test]],
+        [
+            ["graphs compiled", p.compiles, e.compiles, _ratio(p.compiles, e.compiles)],
+            ["executions", p.executions, e.executions, _ratio(p.executions, e.executions)],
+            ["device->host transfers", p.device_to_host, e.device_to_host, _ratio(p.device_to_host, e.device_to_host)],
+            ["host syncs", p.host_syncs, e.host_syncs, _ratio(p.host_syncs, e.host_syncs)],
+            [".item() reads", p.scalar_reads, e.scalar_reads, _ratio(p.scalar_reads, e.scalar_reads)],
+            [
+                "CPU fallbacks",
+                sum(p.cpu_fallbacks.values()),
+                sum(e.cpu_fallbacks.values()),
+                _ratio(sum(p.cpu_fallbacks.values()), sum(e.cpu_fallbacks.values())),
+            ],
+            ["training steps", train_p.steps, train_e.steps, _ratio(train_p.steps, train_e.steps)],
+            [
+                "main-thread CPU ms per training step",
+                f"{1e3 * per_step[0]:.2f}",
+                f"{1e3 * per_step[1]:.2f}",
+                _ratio(*per_step),
+            ],
+            [
+                "process start -> first step done (s)",
+                f"{plugin.first_step_s:.2f}",
+                f"{expert.first_step_s:.2f}",
+                _ratio(plugin.first_step_s, expert.first_step_s),
+            ],
+            ["wall (s)", f"{plugin.wall_s:.1f}", f"{expert.wall_s:.1f}", _ratio(plugin.wall_s, expert.wall_s)],
+            *[
+                [f"test: {name}", f"{value:.4f}", f"{expert.test[name]:.4f}", ""]
+                for name, value in sorted(plugin.test.items())
+                if name in expert.test
+            ],
+        ],
     )
     goals = format_table(["target", "plugin", "limit", ""], targets(plugin, expert))
     return f"### {workload}\n\n{format_table(header, rows)}\n\n{totals}\n\n{goals}\n"
@@ -554,8 +612,10 @@ def _run_side(side: str, workload: str, spawned_at: float, path: str, overrides:
             result = run_expert(workload, spawned_at, overrides)
         else:
             result = run_plugin(workload, spawned_at, overrides, bare_loop=side == "floor")
-    phases = {name: {"metrics": asdict(cost.metrics), "cpu_s": cost.cpu_s, "steps": cost.steps}
-              for name, cost in result.phases.items()}
+    phases = {
+        name: {"metrics": asdict(cost.metrics), "cpu_s": cost.cpu_s, "steps": cost.steps}
+        for name, cost in result.phases.items()
+    }
     Path(path).write_text(json.dumps({**asdict(result), "phases": phases}))
 
 
@@ -564,23 +624,49 @@ def _spawn(side: str, workload: str, overrides: Sequence[str]) -> JobResult:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         spawned_at = time.monotonic()  # CLOCK_MONOTONIC: the same clock in the child
-        subprocess.run([sys.executable, "-m", "benchmarks.job_economy", "--side", side, "--workloads", workload,
-                        "--spawned-at", repr(spawned_at), "--result", path, "--set", *overrides], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.job_economy",
+                "--side",
+                side,
+                "--workloads",
+                workload,
+                "--spawned-at",
+                repr(spawned_at),
+                "--result",
+                path,
+                "--set",
+                *overrides,
+            ],
+            check=True,
+        )
         data = json.loads(Path(path).read_text())
-    phases = {name: PhaseCost(RuntimeMetrics(**cost["metrics"]), cost["cpu_s"], cost["steps"])
-              for name, cost in data.pop("phases").items()}
+    phases = {
+        name: PhaseCost(RuntimeMetrics(**cost["metrics"]), cost["cpu_s"], cost["steps"])
+        for name, cost in data.pop("phases").items()
+    }
     return JobResult(phases=phases, **data)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple[JobResult, ...]]:
+def main(argv: Sequence[str] | None = None) -> dict[str, tuple[JobResult, ...]]:
     """Per workload: the plugin's and the twin's results, and with `--floor` the bare loop's after them."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.job_economy", description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", choices=list(JOBS), default=["mlp"])
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="recipe config overrides for every side's job, e.g. trainer.max_epochs=2")
-    parser.add_argument("--floor", action="store_true",
-                        help="also run the plugin's job with Lightning's per-step machinery left out (`_BareAdvance`): "
-                             "the host time per step the plugin could reach if that machinery cost nothing")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe config overrides for every side's job, e.g. trainer.max_epochs=2",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run the plugin's job with Lightning's per-step machinery left out (`_BareAdvance`): "
+        "the host time per step the plugin could reach if that machinery cost nothing",
+    )
     parser.add_argument("--side", choices=("plugin", "expert", "floor"), help=argparse.SUPPRESS)  # a child's run
     parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -602,12 +688,21 @@ def floor_summary(plugin: JobResult, expert: JobResult, floor: JobResult) -> str
     """Host time per training step of the plugin, its bare-loop floor and the twin (and the graphs each compiled
     while training: a compile's time counts in the steps), as Markdown."""
     twin_per_step = expert.phases["train"].cpu_s_per_step
-    return format_table(
-        ["main-thread CPU per training step", "ms", "/ expert", "compiles while training"],
-        [[result.side, f"{1e3 * result.phases['train'].cpu_s_per_step:.2f}",
-          _ratio(result.phases["train"].cpu_s_per_step, twin_per_step), result.phases["train"].metrics.compiles]
-         for result in (plugin, floor, expert)],
-    ) + "\n"
+    return (
+        format_table(
+            ["main-thread CPU per training step", "ms", "/ expert", "compiles while training"],
+            [
+                [
+                    result.side,
+                    f"{1e3 * result.phases['train'].cpu_s_per_step:.2f}",
+                    _ratio(result.phases["train"].cpu_s_per_step, twin_per_step),
+                    result.phases["train"].metrics.compiles,
+                ]
+                for result in (plugin, floor, expert)
+            ],
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

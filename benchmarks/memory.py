@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -34,10 +34,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks._harness import format_table, wait_for_device
 from lightning_trn import NeuronPrecision
-from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from lightning_trn.core.zero1 import local_bytes, optimizer_state_bytes
+from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from lightning_trn.runtime import get_runtime
-
 
 
 class Blocks(pl.LightningModule):
@@ -61,7 +60,7 @@ class Blocks(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def _allocator() -> Optional[Any]:
+def _allocator() -> Any | None:
     """The device module's allocator statistics (TorchNeuron's `torch.neuron`, or the stand-in's), if it has them."""
     try:
         module = torch.get_device_module(get_runtime().device_type)
@@ -100,7 +99,7 @@ class _ActivationPeak(pl.Callback):
         self.warmup = warmup
         self.allocator = _allocator()
         self.before = 0
-        self.peak: Optional[int] = None
+        self.peak: int | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if self.allocator is not None and idx >= self.warmup:
@@ -137,13 +136,20 @@ def worker(args: argparse.Namespace) -> None:
     pl.seed_everything(0)
     data = TensorDataset(torch.randn(args.batch * args.devices * (args.steps + args.warmup), args.width))
     clock, activations = _Clock(args.warmup), _ActivationPeak(args.warmup)
-    precision = NeuronPrecision(args.precision, master_weights=args.master_weights,
-                                stochastic_rounding=not args.round_to_nearest)
+    precision = NeuronPrecision(
+        args.precision, master_weights=args.master_weights, stochastic_rounding=not args.round_to_nearest
+    )
     strategy = NeuronFSDPStrategy(auto_wrap_policy={torch.nn.Sequential}) if args.strategy == "fsdp" else args.strategy
     trainer = pl.Trainer(
-        accelerator="neuron", devices=args.devices, strategy=strategy, plugins=[precision],
+        accelerator="neuron",
+        devices=args.devices,
+        strategy=strategy,
+        plugins=[precision],
         max_steps=args.steps + args.warmup,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[clock, activations],
     )
     model = Blocks(args.width, args.depth, args.checkpointed)
@@ -161,18 +167,34 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace, out: Path, *extra: str) -> dict[str, Any]:
-    command = [sys.executable, "-m", "benchmarks.memory", "--worker", "--out", str(out), "--width", str(args.width),
-               "--depth", str(args.depth), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.memory",
+        "--worker",
+        "--out",
+        str(out),
+        "--width",
+        str(args.width),
+        "--depth",
+        str(args.depth),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        *extra,
+    ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 
-def _ratio(value: Optional[float], baseline: Optional[float]) -> str:
+def _ratio(value: float | None, baseline: float | None) -> str:
     return "n/a" if not value or not baseline else f"{value / baseline:.2f}"
 
 
-def _mib(value: Optional[float]) -> str:
+def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:.1f}"
 
 
@@ -180,8 +202,10 @@ def _activation_cells(tool: dict[str, Any], baseline: dict[str, Any], checkpoint
     """The activation peak is what checkpointing changes; ZeRO-1 does not touch activations (not shown)."""
     if not checkpointing:
         return ["-", "-"]
-    return [f"{_mib(tool['activation_bytes'])} / {_mib(baseline['activation_bytes'])}",
-            _ratio(tool["activation_bytes"], baseline["activation_bytes"])]
+    return [
+        f"{_mib(tool['activation_bytes'])} / {_mib(baseline['activation_bytes'])}",
+        _ratio(tool["activation_bytes"], baseline["activation_bytes"]),
+    ]
 
 
 _DDP, _ZERO1 = ("--devices", "2", "--strategy", "neuron_ddp"), ("--devices", "2", "--strategy", "neuron_zero1")
@@ -189,27 +213,30 @@ _BF16 = ("--precision", "bf16-true")
 #: name -> (row label, baseline run's arguments, tool run's arguments)
 PAIRS = {
     "zero1": ("ZeRO-1 vs DDP, fp32, 2 processes", _DDP, _ZERO1),
-    "zero1-bf16": ("ZeRO-1 vs DDP, bf16-true with fp32 masters, 2 processes", (*_DDP, *_BF16, "--master-weights"),
-                   (*_ZERO1, *_BF16)),
+    "zero1-bf16": (
+        "ZeRO-1 vs DDP, bf16-true with fp32 masters, 2 processes",
+        (*_DDP, *_BF16, "--master-weights"),
+        (*_ZERO1, *_BF16),
+    ),
     "checkpointing": ("activation checkpointing vs none, 1 process", (), ("--checkpointed",)),
     "fsdp": ("FSDP2 vs DDP, fp32, 2 processes (native)", _DDP, ("--devices", "2", "--strategy", "fsdp")),
     # off the XLA stack's NeuronCores (TorchNeuron included) bf16-true rounds in software: what that costs
-    "rounding": ("bf16-true stochastic rounding vs round-to-nearest, 1 process", (*_BF16, "--round-to-nearest"),
-                 _BF16),
+    "rounding": ("bf16-true stochastic rounding vs round-to-nearest, 1 process", (*_BF16, "--round-to-nearest"), _BF16),
 }
 #: pairs that need a backend that shards models (`DeviceRuntime.shards_models`)
 _SHARDED_PAIRS = ("fsdp",)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=128, help="samples per process and step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--pairs", default=None,
-                        help=f"comma-separated, of: {', '.join(PAIRS)} (default: those the backend runs)")
+    parser.add_argument(
+        "--pairs", default=None, help=f"comma-separated, of: {', '.join(PAIRS)} (default: those the backend runs)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
@@ -222,30 +249,45 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker:
         worker(args)
         return
-    pairs = args.pairs.split(",") if args.pairs else [
-        name for name in PAIRS if get_runtime().shards_models or name not in _SHARDED_PAIRS
-    ]
+    pairs = (
+        args.pairs.split(",")
+        if args.pairs
+        else [name for name in PAIRS if get_runtime().shards_models or name not in _SHARDED_PAIRS]
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for index, (name, baseline_args, tool_args) in enumerate(PAIRS[key] for key in pairs):
             baseline = _run(args, Path(tmp) / f"{index}-baseline.json", *baseline_args)
             tool = _run(args, Path(tmp) / f"{index}-tool.json", *tool_args)
-            rows.append([
-                name,
-                f"{tool['state_bytes'] / 2**20:.2f} / {baseline['state_bytes'] / 2**20:.2f}",
-                _ratio(tool["state_bytes"], baseline["state_bytes"]),
-                f"{_mib(tool['peak_bytes'])} / {_mib(baseline['peak_bytes'])}",
-                _ratio(tool["peak_bytes"], baseline["peak_bytes"]),
-                *_activation_cells(tool, baseline, "checkpointing" in name),
-                f"{tool['steps_per_s']:.1f} / {baseline['steps_per_s']:.1f}",
-                _ratio(tool["steps_per_s"], baseline["steps_per_s"]),
-            ])
+            rows.append(
+                [
+                    name,
+                    f"{tool['state_bytes'] / 2**20:.2f} / {baseline['state_bytes'] / 2**20:.2f}",
+                    _ratio(tool["state_bytes"], baseline["state_bytes"]),
+                    f"{_mib(tool['peak_bytes'])} / {_mib(baseline['peak_bytes'])}",
+                    _ratio(tool["peak_bytes"], baseline["peak_bytes"]),
+                    *_activation_cells(tool, baseline, "checkpointing" in name),
+                    f"{tool['steps_per_s']:.1f} / {baseline['steps_per_s']:.1f}",
+                    _ratio(tool["steps_per_s"], baseline["steps_per_s"]),
+                ]
+            )
     print(f"backend: {get_runtime().name}; {args.depth} blocks of width {args.width}, batch {args.batch} per process")
-    print(format_table(
-        ["pair (tool vs baseline)", "optimizer MiB, rank 0", "optimizer ratio", "device peak MiB", "peak ratio",
-         "activation peak MiB", "activation ratio", "steps/s", "steps/s ratio"],
-        rows,
-    ))
+    print(
+        format_table(
+            [
+                "pair (tool vs baseline)",
+                "optimizer MiB, rank 0",
+                "optimizer ratio",
+                "device peak MiB",
+                "peak ratio",
+                "activation peak MiB",
+                "activation ratio",
+                "steps/s",
+                "steps/s ratio",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

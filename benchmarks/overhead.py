@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 if __package__ in (None, ""):  # `python benchmarks/overhead.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._harness import (  # noqa: E402
+from benchmarks._harness import (
     Measurement,
     Workload,
     add_workload_args,
@@ -46,7 +46,7 @@ def paired(
     runs: list[Measurement], baseline: list[Measurement], compare: Callable[[Measurement, Measurement], float]
 ) -> float:
     """Median over the repeats of `compare(run, baseline run of the same repeat)`."""
-    return median([compare(run, base) for run, base in zip(runs, baseline)])
+    return median([compare(run, base) for run, base in zip(runs, baseline, strict=True)])
 
 
 def speed_ratio(run: Measurement, base: Measurement) -> float:
@@ -77,16 +77,22 @@ CPU_REFERENCE: dict[str, Callable[[Workload], Measurement]] = {
 }
 
 
-
 def main(argv: list[str] | None = None) -> list[list[object]]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     add_workload_args(parser, repeats=3)
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also time " + ", ".join(f"'{name}'" for name in BREAKDOWN)
-                             + ", to see where the per-step cost goes and what the plugin's pipelining gains")
-    parser.add_argument("--lightning-on-cpu", action="store_true",
-                        help=f"with --breakdown: also time '{CPU_FLOOR}' against '{CPU_BASELINE}', what Lightning's "
-                             "own loop costs per step with neither lightning_trn nor XLA in it")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time "
+        + ", ".join(f"'{name}'" for name in BREAKDOWN)
+        + ", to see where the per-step cost goes and what the plugin's pipelining gains",
+    )
+    parser.add_argument(
+        "--lightning-on-cpu",
+        action="store_true",
+        help=f"with --breakdown: also time '{CPU_FLOOR}' against '{CPU_BASELINE}', what Lightning's "
+        "own loop costs per step with neither lightning_trn nor XLA in it",
+    )
     args = parser.parse_args(argv)
     variants: dict[str, Callable[[Workload], Measurement]] = {"plugin": run_plugin, "hand-written": run_baseline}
     if args.breakdown:
@@ -99,9 +105,14 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
         for repeat in range(args.repeats):  # alternate: plugin, hand-written, [variants], plugin, ...
             for name, run in variants.items():
                 runs[name].append(run(workload))
-            print(f"[{workload.name}] repeat {repeat + 1}/{args.repeats}: " + ", ".join(
-                f"{name} {r[-1].steps_per_s:.3g} steps/s ({r[-1].cpu_ms_per_step:.3g} CPU ms/step)"
-                for name, r in runs.items()), flush=True)
+            print(
+                f"[{workload.name}] repeat {repeat + 1}/{args.repeats}: "
+                + ", ".join(
+                    f"{name} {r[-1].steps_per_s:.3g} steps/s ({r[-1].cpu_ms_per_step:.3g} CPU ms/step)"
+                    for name, r in runs.items()
+                ),
+                flush=True,
+            )
         rate = {name: median([m.steps_per_s for m in r]) for name, r in runs.items()}
         cpu = {name: median([m.cpu_ms_per_step for m in r]) for name, r in runs.items()}
         ratio = {name: paired(r, runs["hand-written"], speed_ratio) for name, r in runs.items()}
@@ -111,17 +122,40 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
         if NO_LOADER_CUT in runs:
             extra.append(f"{paired(runs['plugin'], runs[NO_LOADER_CUT], speed_ratio):.3f}")
         if CPU_FLOOR in runs:
-            extra += [f"{paired(runs[FLOOR], runs['hand-written'], extra_ms_per_step):.3g}",
-                      f"{paired(runs[CPU_FLOOR], runs[CPU_BASELINE], extra_ms_per_step):.3g}"]
-        rows.append([workload.name, f"{workload.warmup} + {workload.steps}", args.repeats, f"{rate['plugin']:.3g}",
-                     f"{rate['hand-written']:.3g}", f"{ratio['plugin']:.3f}",
-                     "yes" if ratio["plugin"] >= TARGET else "no", f"{cpu['plugin']:.3g}",
-                     f"{cpu['hand-written']:.3g}", f"{cpu_ratio:.3f}", *extra, compiles])
+            extra += [
+                f"{paired(runs[FLOOR], runs['hand-written'], extra_ms_per_step):.3g}",
+                f"{paired(runs[CPU_FLOOR], runs[CPU_BASELINE], extra_ms_per_step):.3g}",
+            ]
+        rows.append(
+            [
+                workload.name,
+                f"{workload.warmup} + {workload.steps}",
+                args.repeats,
+                f"{rate['plugin']:.3g}",
+                f"{rate['hand-written']:.3g}",
+                f"{ratio['plugin']:.3f}",
+                "yes" if ratio["plugin"] >= TARGET else "no",
+                f"{cpu['plugin']:.3g}",
+                f"{cpu['hand-written']:.3g}",
+                f"{cpu_ratio:.3f}",
+                *extra,
+                compiles,
+            ]
+        )
     print()
     print(describe_machine())
-    header = ["workload", "warm-up + timed steps", "runs/side", "plugin steps/s (median)",
-              "hand-written steps/s (median)", "ratio (median of pairs)", f">= {TARGET}", "plugin CPU ms/step",
-              "hand-written CPU ms/step", "CPU-time ratio"]
+    header = [
+        "workload",
+        "warm-up + timed steps",
+        "runs/side",
+        "plugin steps/s (median)",
+        "hand-written steps/s (median)",
+        "ratio (median of pairs)",
+        f">= {TARGET}",
+        "plugin CPU ms/step",
+        "hand-written CPU ms/step",
+        "CPU-time ratio",
+    ]
     if args.breakdown:
         header += [f"{name}: steps/s (ratio), CPU ms/step" for name in BREAKDOWN]
         header.append(f"plugin / {NO_LOADER_CUT}")
@@ -129,6 +163,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
         header += ["loop floor on XLA: ms/step over hand-written", "loop floor on CPU: ms/step over hand-written"]
     print(format_table([*header, "compiles while timed (max)"], rows))
     return rows
+
 
 if __name__ == "__main__":
     main()

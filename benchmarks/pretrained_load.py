@@ -43,8 +43,11 @@ def _measured(function: Callable[[], Any]) -> dict[str, float]:
     before = _status_kib("VmRSS")
     wall, cpu = time.perf_counter(), time.process_time()
     function()
-    return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
-            "peak_bytes": (_status_kib("VmHWM") - before) * 1024}
+    return {
+        "wall_s": time.perf_counter() - wall,
+        "cpu_s": time.process_time() - cpu,
+        "peak_bytes": (_status_kib("VmHWM") - before) * 1024,
+    }
 
 
 def save_folder(path: Path, hidden: int, layers: int, vocab: int) -> int:
@@ -53,9 +56,15 @@ def save_folder(path: Path, hidden: int, layers: int, vocab: int) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = max(hidden // 128, 4)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 7 // 2,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 4,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 7 // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 4,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="200MB")
@@ -143,8 +152,11 @@ def _mb(value: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.pretrained_load", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.pretrained_load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -161,22 +173,49 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         out.mkdir()
         model_bytes = save_folder(folder, args.hidden, args.layers, args.vocab)
         env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": str(args.ranks)}
-        command = [sys.executable, "-m", "benchmarks.pretrained_load", "--ranks", str(args.ranks),
-                   "--worker", str(folder), str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.pretrained_load",
+            "--ranks",
+            str(args.ranks),
+            "--worker",
+            str(folder),
+            str(out),
+        ]
         subprocess.run(command, check=True, env=env, cwd=Path(__file__).resolve().parent.parent)
         records = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(args.ranks)]
-    header = ["rank", "model MB", "shard MB", "load_pretrained s (CPU s)", "read MB", "host peak MB",
-              "whole files s (CPU s)", "read MB (whole)", "host peak MB (whole)", "time ratio", "peak ratio"]
+    header = [
+        "rank",
+        "model MB",
+        "shard MB",
+        "load_pretrained s (CPU s)",
+        "read MB",
+        "host peak MB",
+        "whole files s (CPU s)",
+        "read MB (whole)",
+        "host peak MB (whole)",
+        "time ratio",
+        "peak ratio",
+    ]
     rows = []
     for rank, record in enumerate(records):
         sharded, whole = record["sharded"], record["whole"]
-        rows.append([
-            rank, _mb(model_bytes), _mb(record["held_bytes"]),
-            f"{sharded['wall_s']:.2f} ({sharded['cpu_s']:.2f})", _mb(sharded["read_bytes"]),
-            _mb(sharded["peak_bytes"]), f"{whole['wall_s']:.2f} ({whole['cpu_s']:.2f})", _mb(whole["read_bytes"]),
-            _mb(whole["peak_bytes"]), f"{sharded['wall_s'] / whole['wall_s']:.2f}",
-            f"{sharded['peak_bytes'] / whole['peak_bytes']:.2f}",
-        ])
+        rows.append(
+            [
+                rank,
+                _mb(model_bytes),
+                _mb(record["held_bytes"]),
+                f"{sharded['wall_s']:.2f} ({sharded['cpu_s']:.2f})",
+                _mb(sharded["read_bytes"]),
+                _mb(sharded["peak_bytes"]),
+                f"{whole['wall_s']:.2f} ({whole['cpu_s']:.2f})",
+                _mb(whole["read_bytes"]),
+                _mb(whole["peak_bytes"]),
+                f"{sharded['wall_s'] / whole['wall_s']:.2f}",
+                f"{sharded['peak_bytes'] / whole['peak_bytes']:.2f}",
+            ]
+        )
     print(format_table(header, rows))
     return records
 

@@ -35,6 +35,7 @@ from lightning_trn.core.fsdp import lightning_fsdp_arguments
 from lightning_trn.core.model_parallel import lightning_model_parallel_arguments
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks.registry import TESTED_LIGHTNING, lightning_version_tested
+from lightning_trn.hooks.resume import install_resume_hook
 from lightning_trn.hooks.throughput import install_throughput_hooks
 from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.pytorch.strategies import (
@@ -254,8 +255,8 @@ def _register_accelerator(registry: Any) -> None:
 
 
 def register() -> None:
-    """Register the accelerator and strategies with the Trainer's and Fabric's registries, hook their connectors and
-    `ThroughputMonitor`'s peak-FLOPs lookup (idempotent)."""
+    """Register the accelerator and strategies with the Trainer's and Fabric's registries, hook their connectors,
+    `ThroughputMonitor`'s peak-FLOPs lookup and the Trainer's choice of a checkpoint to resume (idempotent)."""
     for api in (TRAINER, FABRIC):
         _register_accelerator(api.accelerators)
         for strategy in (api.single, api.ddp, api.model_parallel, api.fsdp):
@@ -263,3 +264,4 @@ def register() -> None:
                 strategy.register_strategies(api.strategies)
         _install_connector_hooks(api)
     install_throughput_hooks()
+    install_resume_hook()

@@ -20,9 +20,15 @@ from pathlib import Path
 import torch
 
 G = Path(".gpucheck")
-OVERRIDES = ["data.source=.gpucheck/corpus.txt", "trainer.limit_train_batches=40", "trainer.max_epochs=1",
-             "trainer.enable_progress_bar=false", "model.warmup_steps=2", "trainer.limit_val_batches=10",
-             "trainer.limit_test_batches=10"]
+OVERRIDES = [
+    "data.source=.gpucheck/corpus.txt",
+    "trainer.limit_train_batches=40",
+    "trainer.max_epochs=1",
+    "trainer.enable_progress_bar=false",
+    "model.warmup_steps=2",
+    "trainer.limit_val_batches=10",
+    "trainer.limit_test_batches=10",
+]
 
 
 def _batch() -> torch.Tensor:
@@ -57,11 +63,16 @@ def prepare() -> None:
     jobs = {"xla": ([sys.executable], {"PJRT_DEVICE": "CPU"}), "native": ([".venv-native/bin/python"], native)}
     for name, (python, env) in jobs.items():
         out = Path("/tmp") / f"gpucheck_{name}"
-        subprocess.run([*python, "-m", "lightning_trn.recipes.llm", *OVERRIDES, f"out_dir={out}"], check=True,
-                       env={**os.environ, **env})
+        subprocess.run(
+            [*python, "-m", "lightning_trn.recipes.llm", *OVERRIDES, f"out_dir={out}"],
+            check=True,
+            env={**os.environ, **env},
+        )
         (G / f"{name}.ckpt").write_bytes((out / "checkpoints" / "last.ckpt").read_bytes())
-    subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", "export", f"ckpt={G / 'xla.ckpt'}",
-                    f"out={G / 'export'}"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "lightning_trn.recipes.llm", "export", f"ckpt={G / 'xla.ckpt'}", f"out={G / 'export'}"],
+        check=True,
+    )
     refs = {"xla": _loss("xla", "cpu"), "native": _loss("native", "cpu"), "export": _export_logits("cpu")}
     (G / "refs.json").write_text(json.dumps(refs))
     print(refs)
@@ -78,16 +89,28 @@ def check() -> None:
     for name in ("xla", "native"):
         ckpt = torch.load(G / f"{name}.ckpt", weights_only=True)
         loss = _loss(name, "cuda")
-        print(f"[{name}] tensors on {sorted({str(t.device) for t in ckpt['state_dict'].values()})}, step "
-              f"{ckpt['global_step']}; one batch's loss on the GPU {loss:.6f}, host {refs[name]:.6f}")
+        print(
+            f"[{name}] tensors on {sorted({str(t.device) for t in ckpt['state_dict'].values()})}, step "
+            f"{ckpt['global_step']}; one batch's loss on the GPU {loss:.6f}, host {refs[name]:.6f}"
+        )
         started = time.time()
-        cfg = cli.load_config(llm.RECIPE, [*OVERRIDES, "trainer.accelerator=gpu", "trainer.devices=1",
-                                           "trainer.max_epochs=2", f"ckpt_path={G / f'{name}.ckpt'}",
-                                           f"out_dir=/tmp/gpu_{name}"])
+        cfg = cli.load_config(
+            llm.RECIPE,
+            [
+                *OVERRIDES,
+                "trainer.accelerator=gpu",
+                "trainer.devices=1",
+                "trainer.max_epochs=2",
+                f"ckpt_path={G / f'{name}.ckpt'}",
+                f"out_dir=/tmp/gpu_{name}",
+            ],
+        )
         common.fit(llm.RECIPE, cfg)
         after = torch.load(f"/tmp/gpu_{name}/checkpoints/last.ckpt", weights_only=True)
-        print(f"[{name}] resumed on the GPU: step {ckpt['global_step']} -> {after['global_step']}, "
-              f"{time.time() - started:.1f} s")
+        print(
+            f"[{name}] resumed on the GPU: step {ckpt['global_step']} -> {after['global_step']}, "
+            f"{time.time() - started:.1f} s"
+        )
     logits = _export_logits("cuda")
     print(f"[export] logits |sum| on the GPU {logits:.4f}, host {refs['export']:.4f}")
     from transformers import AutoModelForCausalLM

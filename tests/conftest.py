@@ -14,6 +14,9 @@ import fnmatch
 import functools
 import importlib.util
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,47 @@ if not XLA_SUITE:  # the stand-in in this process and in the processes tests lau
     os.environ.setdefault("LIGHTNING_TRN_STANDIN_DEVICES", "2")
     os.environ["LIGHTNING_TRN_STANDIN"] = "1"
     import lightning_trn.standin  # noqa: F401  builds (first time) and loads the stand-in
+
+
+_WARM = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Children start from a warm interpreter (`tests/warm_python.py`) unless LIGHTNING_TRN_TEST_COLD is set: one
+    server per suite, started by the first pytest (pytest-xdist's controller); its workers, and a pytest that a test
+    starts, use the same server."""
+    if os.environ.get("LIGHTNING_TRN_TEST_COLD"):
+        return
+    if os.environ.get("LIGHTNING_TRN_WARM_PYTHON"):  # a pytest-xdist worker, or a pytest a test started: use its server
+        sys.executable = os.path.join(os.environ["LIGHTNING_TRN_WARM_PYTHON"], "python")
+        return
+    from tests import warm_python
+
+    directory = Path(tempfile.mkdtemp(prefix="warm-"))
+    server, client = warm_python.start(directory)
+    config.stash[_WARM] = (server, directory, sys.executable)
+    os.environ["LIGHTNING_TRN_WARM_PYTHON"] = str(directory)
+    sys.executable = str(client)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """How many children the warm interpreter forked, and which started cold and why (docs/contributing.md)."""
+    if _WARM in config.stash:
+        from tests import warm_python
+
+        terminalreporter.write_line(warm_python.summary(config.stash[_WARM][1]))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _WARM not in config.stash:
+        return
+    from tests import warm_python
+
+    server, directory, real_python = config.stash[_WARM]
+    sys.executable = real_python
+    os.environ.pop("LIGHTNING_TRN_WARM_PYTHON", None)
+    warm_python.stop(server)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @functools.cache

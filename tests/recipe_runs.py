@@ -4,6 +4,7 @@ evaluation metrics and its printed held-out line. Shared by the strategy and res
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import signal
@@ -18,10 +19,18 @@ import torch
 
 #: a 32-wide LLM on 32-token blocks, 6 steps: seconds of training, most of a run is imports (and compiling, on XLA)
 TINY_LLM = (
-    "data.seq_len=32", "data.vocab_size=512", "model.hidden_size=32", "model.intermediate_size=64",
-    "model.warmup_steps=2", "trainer.max_epochs=1", "trainer.limit_train_batches=6",
-    "trainer.limit_val_batches=2", "trainer.limit_test_batches=1", "trainer.log_every_n_steps=1",
-    "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.warmup_steps=2",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=6",
+    "trainer.limit_val_batches=2",
+    "trainer.limit_test_batches=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
 )
 #: 20 steps, a checkpoint every 5: a kill after the first checkpoint lands mid-epoch with steps to spare
 RESUMABLE_STEPS = 20
@@ -32,8 +41,9 @@ RUN_TIMEOUT_S = 300
 def start(recipe: str, out: Path, *overrides: str, env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
     out.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", f"lightning_trn.recipes.{recipe}", f"out_dir={out}", *overrides]
-    return subprocess.Popen(command, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kwargs)
+    return subprocess.Popen(
+        command, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    )
 
 
 def finish(proc: subprocess.Popen, out: Path, metrics: tuple[str, ...] = ("val_loss", "test_loss")) -> dict:
@@ -47,8 +57,12 @@ def finish(proc: subprocess.Popen, out: Path, metrics: tuple[str, ...] = ("val_l
         rows = list(csv.DictReader(f))
     logged = {key: [float(row[key]) for row in rows if row.get(key)] for key in metrics}
     line = next(line for line in stdout.splitlines() if "held-out test" in line)
-    return {"ckpt": torch.load(out / "checkpoints" / "last.ckpt", weights_only=True), "metrics": logged,
-            "line": line, "stderr": stderr}
+    return {
+        "ckpt": torch.load(out / "checkpoints" / "last.ckpt", weights_only=True),
+        "metrics": logged,
+        "line": line,
+        "stderr": stderr,
+    }
 
 
 def run(recipe: str, out: Path, *overrides: str, env: dict[str, str], **kwargs: Any) -> dict:
@@ -79,16 +93,16 @@ def kill_after_first_checkpoint(recipe: str, out: Path, *overrides: str, env: di
         while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait()
     if proc.returncode != -signal.SIGKILL:
         pytest.fail(f"the run ended before the kill (exit {proc.returncode}): nothing was tested")
     stopped = torch.load(ckpt, weights_only=True)
-    assert stopped["epoch"] == 0 and 0 < stopped["global_step"] < RESUMABLE_STEPS, ("not mid-epoch",
-                                                                                    stopped["global_step"])
+    assert stopped["epoch"] == 0 and 0 < stopped["global_step"] < RESUMABLE_STEPS, (
+        "not mid-epoch",
+        stopped["global_step"],
+    )
     return ckpt
 
 
@@ -118,5 +132,6 @@ def run_without_standin(code: str, *args: str, cwd: Path) -> subprocess.Complete
     """`python -c code args` in a process where the stand-in is never loaded: what a GPU/CPU user of a checkpoint or
     an export has."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_TRN_STANDIN")}
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )

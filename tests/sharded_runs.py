@@ -1,8 +1,9 @@
-"""Runs of tests/scripts/sharded_save_train.py for the sharded-checkpoint kill tests (tests/test_sharded_save.py on
+"""Runs of tests/scripts/sharded_save_train.py for the sharded-checkpoint tests (tests/test_sharded_save.py on
 ZeRO-1, tests/standin/test_sharded_save_dcp.py on DCP), and the check of what a killed run left."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import torch
 
 from lightning_trn.core import sharded_save
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from tests.launch import child_env
+from tests.launch import child_env, free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_save_train.py"
 RUN_TIMEOUT_S = 240
@@ -27,18 +28,69 @@ def run_job(out: Path, kind: str, *args: str, killed: bool = False) -> Path:
     its own SIGKILL (else the kill point was never reached and nothing was tested)."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--kind", kind, *args]
-    proc = subprocess.Popen(command, env=child_env(), cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        env=child_env(),
+        cwd=out,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the other ranks, if any is left
-        except ProcessLookupError:
-            pass
     expected = -signal.SIGKILL if killed else 0
     assert proc.returncode == expected, f"exit {proc.returncode}, expected {expected}:\n{output[-3000:]}"
     return out / "ckpts"
+
+
+def run_two_nodes(out: Path, kind: str, node_1_prefix: list[str]) -> list[tuple[int, str]]:
+    """Run the job as two torchrun "nodes" on this machine, one rank each, node 1's launch after `node_1_prefix` (a
+    command that runs the rest of its arguments, e.g. in a mount namespace of its own); each node's exit code and
+    output."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    nodes = []
+    for rank, prefix in enumerate(([], node_1_prefix)):
+        command = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={rank}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            str(SCRIPT),
+            "--out",
+            str(out),
+            "--kind",
+            kind,
+            "--num-nodes",
+            "2",
+        ]
+        nodes.append(
+            subprocess.Popen(
+                command,
+                env=child_env(),
+                cwd=out,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    try:
+        outputs = [node.communicate(timeout=RUN_TIMEOUT_S)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):  # kill its agent's workers, if any is left
+                os.killpg(node.pid, signal.SIGKILL)
+    return [(node.returncode, output) for node, output in zip(nodes, outputs, strict=True)]
 
 
 def can_exchange(directory: Path) -> bool:
@@ -65,7 +117,7 @@ def _assert_equal(value: Any, expected: Any, where: str) -> None:
             _assert_equal(value[key], expected[key], f"{where}.{key}")
     elif isinstance(expected, (list, tuple)):
         assert len(value) == len(expected), where
-        for index, (item, wanted) in enumerate(zip(value, expected)):
+        for index, (item, wanted) in enumerate(zip(value, expected, strict=True)):
             _assert_equal(item, wanted, f"{where}[{index}]")
     elif isinstance(expected, torch.Tensor):
         assert torch.equal(value, expected), f"{where} differs from the uninterrupted run's at that step"
@@ -95,9 +147,13 @@ def kill_inside_a_save(out: Path, reference: Path, kind: str, kill: str) -> dict
     return assert_checkpoints_match_reference(ckpts, reference)
 
 
-def resume_to_the_end(out: Path, reference: Path, kind: str) -> None:
-    """Restart a killed `kind` job with `ckpt_path="last"`: it reaches the last step, and every checkpoint equals
-    the uninterrupted run's at its step."""
-    ckpts = run_job(out, kind, "--resume", "last")
+def resume_to_the_end(out: Path, reference: Path, kind: str, *args: str, from_step: int | None = None) -> None:
+    """Restart a killed `kind` job with `ckpt_path="last"` (and the worker's `args`): it starts at `from_step` (if
+    given: a resume, not a fresh start), reaches the last step, and every checkpoint equals the uninterrupted run's at
+    its step."""
+    ckpts = run_job(out, kind, "--resume", "last", *args)
+    if from_step is not None:
+        started = int((out / "start_step").read_text())
+        assert started == from_step, f"the resumed run started at step {started}, not at its checkpoint's {from_step}"
     assert load(ckpts / "last.ckpt")["global_step"] == STEPS
     assert_checkpoints_match_reference(ckpts, reference)

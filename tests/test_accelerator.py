@@ -7,10 +7,10 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from xla_free_python import run_without_torch_xla
 
 import lightning_trn
 from lightning_trn import NeuronAccelerator, NeuronPrecision, NeuronUnavailableError, SingleDeviceNeuronStrategy
-from xla_free_python import run_without_torch_xla
 
 pytestmark = pytest.mark.xla_only
 

@@ -75,15 +75,24 @@ def test_checkpointed_blocks_give_the_plain_models_loss_and_gradients_dropout_in
     plain_loss, plain_grads = _loss_and_grads(None)
     loss, grads = _loss_and_grads(use_reentrant)
     assert torch.equal(loss.cpu(), plain_loss.cpu())
-    for grad, plain in zip(grads, plain_grads):  # the recompute drew the forward's dropout masks again
+    for grad, plain in zip(grads, plain_grads, strict=True):  # the recompute drew the forward's dropout masks again
         assert torch.equal(grad.cpu(), plain.cpu())
 
 
 def _fenced_dots(hlo: str) -> tuple[int, int]:
     """(optimization barriers, matmuls that take a barrier's output) in an HLO module's text."""
     barriers = re.findall(r"^\s*(%?[\w.-]+) = .* opt-barrier\(", hlo, flags=re.MULTILINE)
-    fenced = set(re.findall(rf"^\s*(%?[\w.-]+) = .*get-tuple-element\(.*({'|'.join(map(re.escape, barriers))})\)",
-                            hlo, flags=re.MULTILINE)) if barriers else set()
+    fenced = (
+        set(
+            re.findall(
+                rf"^\s*(%?[\w.-]+) = .*get-tuple-element\(.*({'|'.join(map(re.escape, barriers))})\)",
+                hlo,
+                flags=re.MULTILINE,
+            )
+        )
+        if barriers
+        else set()
+    )
     names = {name for name, _ in fenced}
     dots = re.findall(r"^\s*%?[\w.-]+ = .* dot\(([^)]*)\)", hlo, flags=re.MULTILINE)
     return len(barriers), sum(any(o.strip().split(" ")[-1] in names for o in ops.split(",")) for ops in dots)
@@ -152,7 +161,7 @@ def test_a_fabric_loop_checkpoints_like_the_plain_model_and_leaves_torch_as_it_w
     plain_loss, plain_grads = loss_and_grads(None)
     loss, grads = loss_and_grads(use_reentrant)
     assert torch.equal(loss, plain_loss)
-    for grad, plain in zip(grads, plain_grads):
+    for grad, plain in zip(grads, plain_grads, strict=True):
         assert torch.equal(grad, plain)
     assert torch.utils.checkpoint._get_device_module is original_lookup
     assert not hasattr(torch, "xla")
@@ -179,8 +188,16 @@ def _fit(use_reentrant: bool | str | None, tmp_path) -> dict[str, torch.Tensor]:
     policy = {Block} if use_reentrant == "policy" else None
     model = Regression(None if use_reentrant == "policy" else use_reentrant)
     strategy = SingleDeviceNeuronStrategy(activation_checkpointing_policy=policy)
-    trainer = pl.Trainer(accelerator="neuron", strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="neuron",
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, regression_loader(n=64))
     assert _wrapped_blocks(model) == (BLOCKS if policy else 0)
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -194,8 +211,13 @@ def test_a_trainer_run_with_checkpointed_blocks_ends_with_the_plain_runs_weights
         checkpointed = _fit(use_reentrant, tmp_path)
         assert checkpointed.keys() == plain.keys()
         for name in plain:
-            torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-4,
-                                       msg=lambda m: f"use_reentrant={use_reentrant} {name}: {m}")
+            torch.testing.assert_close(
+                checkpointed[name],
+                plain[name],
+                rtol=1e-4,
+                atol=1e-4,
+                msg=lambda m, use_reentrant=use_reentrant, name=name: f"use_reentrant={use_reentrant} {name}: {m}",
+            )
 
 
 class TinyBert(pl.LightningModule):
@@ -205,8 +227,15 @@ class TinyBert(pl.LightningModule):
         super().__init__()
         from transformers import BertConfig, BertForSequenceClassification
 
-        config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=16, num_labels=2)
+        config = BertConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+            num_labels=2,
+        )
         self.net = BertForSequenceClassification(config)
         if gradient_checkpointing:
             self.net.gradient_checkpointing_enable()
@@ -229,15 +258,25 @@ def test_hugging_face_gradient_checkpointing_trains_like_the_plain_model(tmp_pat
         model = TinyBert(gradient_checkpointing)
         ids = torch.randint(0, 64, (32, 12), generator=torch.Generator().manual_seed(0))
         loader = DataLoader(TensorDataset(ids, ids[:, 0] % 2), batch_size=8)
-        trainer = pl.Trainer(accelerator="neuron", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        trainer = pl.Trainer(
+            accelerator="neuron",
+            devices=1,
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(model, loader)
         assert model.net.is_gradient_checkpointing == gradient_checkpointing
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
     plain, checkpointed = fit(False), fit(True)
     for name in plain:
-        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            checkpointed[name], plain[name], rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_hugging_face_gradient_checkpointing_gives_the_plain_models_gradients(neuron_run_hooks: None):
@@ -256,7 +295,7 @@ def test_hugging_face_gradient_checkpointing_gives_the_plain_models_gradients(ne
         runtime.sync()  # one graph for every gradient (on XLA), then one transfer
         return runtime.to_host([p.grad for p in model.parameters() if p.grad is not None])
 
-    for checkpointed, plain in zip(grads(True), grads(False)):
+    for checkpointed, plain in zip(grads(True), grads(False), strict=True):
         torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-6)
 
 

@@ -41,8 +41,14 @@ def collate(rows: list[int]) -> tuple:
 def structure(batch: tuple) -> tuple:
     """The container types, non-tensor values and tensor devices of a batch."""
     sample, features, extra = batch
-    return (type(batch), type(sample), type(features), type(extra), extra.note,
-            frozenset(t.device.type for t in (sample.x, sample.y, features["mask"], extra.weight)))
+    return (
+        type(batch),
+        type(sample),
+        type(features),
+        type(extra),
+        extra.note,
+        frozenset(t.device.type for t in (sample.x, sample.y, features["mask"], extra.weight)),
+    )
 
 
 class Recorder(LightningModule):
@@ -72,8 +78,15 @@ class Recorder(LightningModule):
 def test_batch_containers_survive_the_move_to_the_device(tmp_path) -> None:
     model = Recorder()
     loader = DataLoader(range(12), batch_size=4, collate_fn=collate)
-    trainer = Trainer(accelerator="neuron", max_epochs=1, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="neuron",
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, loader, loader)
     trainer.predict(model, loader)
     expected = {(tuple, Sample, Features, Extra, "kept", frozenset({get_runtime().device_type}))}

@@ -17,17 +17,34 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_benchmark(*args: str) -> list[dict[str, str]]:
     """`python -m benchmarks.<name> ...` from the repo root; the rows of the Markdown table it prints last."""
-    done = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
-    return [dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")))) for row in table[1:]]
+    return [dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")), strict=True)) for row in table[1:]]
 
 
 def test_overhead_prints_both_sides_and_their_ratio():
-    (row,) = run_benchmark("benchmarks.overhead", "--workloads", "mlp", "--repeats", "1", "--warmup", "3",
-                           "--steps", "5", "--breakdown", "--lightning-on-cpu")
+    (row,) = run_benchmark(
+        "benchmarks.overhead",
+        "--workloads",
+        "mlp",
+        "--repeats",
+        "1",
+        "--warmup",
+        "3",
+        "--steps",
+        "5",
+        "--breakdown",
+        "--lightning-on-cpu",
+    )
     plugin, hand_written = float(row["plugin steps/s (median)"]), float(row["hand-written steps/s (median)"])
     assert plugin > 0 and hand_written > 0
     assert float(row["ratio (median of pairs)"]) == pytest.approx(plugin / hand_written, rel=0.01)  # one pair
@@ -41,8 +58,9 @@ def test_overhead_prints_both_sides_and_their_ratio():
 def test_overhead_prints_the_llm_row():
     """The LLM recipe's module (AdamW with its LR schedule, clipping) in both loops; past the first two steps (the one
     creating AdamW's state, then the steady one) nothing compiles."""
-    (row,) = run_benchmark("benchmarks.overhead", "--workloads", "llm", "--repeats", "1", "--warmup", "2",
-                           "--steps", "3")
+    (row,) = run_benchmark(
+        "benchmarks.overhead", "--workloads", "llm", "--repeats", "1", "--warmup", "2", "--steps", "3"
+    )
     assert row["workload"] == "llm" and row["warm-up + timed steps"] == "2 + 3"
     plugin, hand_written = float(row["plugin steps/s (median)"]), float(row["hand-written steps/s (median)"])
     assert plugin > 0 and hand_written > 0
@@ -86,19 +104,40 @@ def test_job_economy_twin_does_the_plugins_work_with_the_experts_costs():
         assert plugin.test["test_loss"] == pytest.approx(other.test["test_loss"], abs=1e-5)
     assert floor.phases["train"].metrics.compiles == plugin.phases["train"].metrics.compiles  # the same graphs
     compiles = expert.per_phase("compiles")
-    assert compiles == {"setup": 0, "train": 3, "validation": 1, "epoch end": 0, "checkpoint": 0, "test": 0,
-                        "teardown": 0}
+    assert compiles == {
+        "setup": 0,
+        "train": 3,
+        "validation": 1,
+        "epoch end": 0,
+        "checkpoint": 0,
+        "test": 0,
+        "teardown": 0,
+    }
     transfers = expert.per_phase("device_to_host")
-    assert transfers == {"setup": 0, "train": 0, "validation": 3, "epoch end": 3, "checkpoint": 3, "test": 1,
-                         "teardown": 0}
+    assert transfers == {
+        "setup": 0,
+        "train": 0,
+        "validation": 3,
+        "epoch end": 3,
+        "checkpoint": 3,
+        "test": 1,
+        "teardown": 0,
+    }
     assert sum(p.metrics.compiles for p in plugin.phases.values()) > 0  # measured on the plugin side too
 
 
 #: the LLM recipe's job shortened: 2 epochs of 12 steps (logging steps 10 and 20), 3 validation and test batches,
 #: a narrower model than the recipe's (same layers and ops; CI time)
-LLM_JOB = ["trainer.max_epochs=2", "trainer.limit_train_batches=12", "trainer.limit_val_batches=3",
-           "trainer.limit_test_batches=3", "data.vocab_size=300", "data.seq_len=32", "model.hidden_size=32",
-           "model.intermediate_size=64"]
+LLM_JOB = [
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=12",
+    "trainer.limit_val_batches=3",
+    "trainer.limit_test_batches=3",
+    "data.vocab_size=300",
+    "data.seq_len=32",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+]
 
 
 @pytest.mark.xla_only  # the counts are torch_xla's
@@ -115,10 +154,24 @@ def test_job_economy_llm_twin_does_the_plugins_work():
     assert plugin.phases["train"].steps == expert.phases["train"].steps == 2 * 12
     assert plugin.test["test_loss"] == pytest.approx(expert.test["test_loss"], abs=1e-5)
     assert plugin.test["test_ppl"] == pytest.approx(expert.test["test_ppl"], rel=1e-5)
-    assert expert.per_phase("compiles") == {"setup": 0, "train": 3, "validation": 1, "epoch end": 0,
-                                            "checkpoint": 0, "test": 0, "teardown": 0}
-    assert expert.per_phase("device_to_host") == {"setup": 0, "train": 2, "validation": 2, "epoch end": 0,
-                                                  "checkpoint": 2, "test": 1, "teardown": 0}
+    assert expert.per_phase("compiles") == {
+        "setup": 0,
+        "train": 3,
+        "validation": 1,
+        "epoch end": 0,
+        "checkpoint": 0,
+        "test": 0,
+        "teardown": 0,
+    }
+    assert expert.per_phase("device_to_host") == {
+        "setup": 0,
+        "train": 2,
+        "validation": 2,
+        "epoch end": 0,
+        "checkpoint": 2,
+        "test": 1,
+        "teardown": 0,
+    }
     compiles = plugin.per_phase("compiles")
     assert compiles["train"] == 2 and compiles["validation"] == compiles["test"] == 0
     assert sum(compiles.values()) <= sum(expert.per_phase("compiles").values())
@@ -129,8 +182,21 @@ def test_job_economy_llm_twin_does_the_plugins_work():
 @pytest.mark.native_only  # the allocator figures exist natively only; XLA prints n/a
 def test_memory_prints_the_checkpointing_pair_with_the_allocators_activation_peak():
     """The activation peak comes from the stand-in's allocator (deterministic); checkpointing lowers it."""
-    (row,) = run_benchmark("benchmarks.memory", "--pairs", "checkpointing", "--width", "64", "--depth", "4",
-                           "--batch", "256", "--steps", "2", "--warmup", "1")
+    (row,) = run_benchmark(
+        "benchmarks.memory",
+        "--pairs",
+        "checkpointing",
+        "--width",
+        "64",
+        "--depth",
+        "4",
+        "--batch",
+        "256",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    )
     assert row["pair (tool vs baseline)"].startswith("activation checkpointing")
     assert float(row["activation ratio"]) < 0.5
     checkpointed, plain = (float(value) for value in row["steps/s"].split(" / "))
@@ -140,8 +206,21 @@ def test_memory_prints_the_checkpointing_pair_with_the_allocators_activation_pea
 @pytest.mark.native_only  # FSDP2 runs on the native backend only
 def test_memory_prints_the_fsdp_pair_with_half_the_optimizer_state_per_rank():
     """FSDP2 over 2 processes keeps half of Adam's moments on rank 0 (plus each parameter's unsharded step count)."""
-    (row,) = run_benchmark("benchmarks.memory", "--pairs", "fsdp", "--width", "64", "--depth", "2",
-                           "--batch", "16", "--steps", "2", "--warmup", "1")
+    (row,) = run_benchmark(
+        "benchmarks.memory",
+        "--pairs",
+        "fsdp",
+        "--width",
+        "64",
+        "--depth",
+        "2",
+        "--batch",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    )
     assert row["pair (tool vs baseline)"].startswith("FSDP2 vs DDP")
     assert float(row["optimizer ratio"]) == pytest.approx(0.5, abs=0.02)  # printed to 2 decimals
     assert float(row["peak ratio"]) < 1

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from models import RegressionModel
 
 import lightning_trn  # noqa: F401  (registers accelerator="neuron")
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from models import RegressionModel
 
 pytestmark = pytest.mark.xla_only
 
@@ -31,8 +31,13 @@ def evil_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
     """A Lightning-shaped checkpoint carrying the payload; returns (checkpoint path, marker path)."""
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.ckpt"
-    state = {"state_dict": RegressionModel().state_dict(), "global_step": 0, "epoch": 0,
-             "pytorch-lightning_version": "2.6.0", "payload": CreatesMarkerWhenUnpickled(marker)}
+    state = {
+        "state_dict": RegressionModel().state_dict(),
+        "global_step": 0,
+        "epoch": 0,
+        "pytorch-lightning_version": "2.6.0",
+        "payload": CreatesMarkerWhenUnpickled(marker),
+    }
     torch.save(state, path)
     assert not marker.exists()
     return path, marker
@@ -47,8 +52,16 @@ def test_checkpoint_io_refuses_a_malicious_pickle(evil_checkpoint: tuple[Path, P
 
 def test_fit_refuses_a_malicious_resume_checkpoint(evil_checkpoint: tuple[Path, Path], tmp_path: Path):
     path, marker = evil_checkpoint
-    trainer = Trainer(accelerator="neuron", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        accelerator="neuron",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         trainer.fit(RegressionModel(), ckpt_path=path)
     assert not marker.exists()
@@ -64,8 +77,16 @@ def test_payload_is_live_when_the_user_opts_out(evil_checkpoint: tuple[Path, Pat
 
 def test_lightning_checkpoint_round_trips_with_weights_only(tmp_path: Path):
     """The safe default must not break normal resumes: a real Trainer checkpoint loads with `weights_only=True`."""
-    trainer = Trainer(accelerator="neuron", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        accelerator="neuron",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     model = RegressionModel()
     trainer.fit(model)
     trainer.save_checkpoint(tmp_path / "ok.ckpt")

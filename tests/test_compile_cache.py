@@ -15,9 +15,13 @@ from pathlib import Path
 import boto3
 import pytest
 
-from lightning_trn.pytorch.callbacks.compile_cache.archive import (archive_name, extract_archive, list_entries,
-                                                                   pack_entries)
 from lightning_trn.pytorch.callbacks import NeuronCompileCache
+from lightning_trn.pytorch.callbacks.compile_cache.archive import (
+    archive_name,
+    extract_archive,
+    list_entries,
+    pack_entries,
+)
 
 pytestmark = pytest.mark.xla_only
 
@@ -26,7 +30,7 @@ SECRET = "TEST-SECRET-KEY-d41d8cd98f00b204"
 BUCKET = "compile-cache"
 
 #: a short fit in a fresh process; prints the persistent-cache counters as JSON on a RESULT line
-TRAIN_SCRIPT = r'''
+TRAIN_SCRIPT = r"""
 import json, sys
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -59,7 +63,7 @@ trainer = Trainer(accelerator="neuron", max_steps=4, logger=False, enable_checkp
 trainer.fit(Model())
 print("RESULT " + json.dumps({"cache": get_runtime().compile_cache_counters(), "dir": cache.cache_dir,
                               "global_step": trainer.global_step}))
-'''
+"""
 
 
 def run_training(tmp_path: Path, **opts: object) -> tuple[dict, str]:
@@ -69,12 +73,16 @@ def run_training(tmp_path: Path, **opts: object) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "NEURON_"))}
     env.update(PJRT_DEVICE="CPU", PYTHONPATH=str(PROJECT_ROOT))
     proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(opts)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        [sys.executable, str(script), json.dumps(opts)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), proc.stderr
+    return json.loads(line[len("RESULT ") :]), proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +94,12 @@ def s3_endpoint():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
@@ -134,8 +146,9 @@ def test_s3_push_then_pull_into_fresh_dir_reuses_every_graph_and_other_flags_do_
     assert len(written) == first["cache"]["misses"]
 
     # another machine: empty local cache, pulls the archive, and the cache was enabled before the Trainer existed
-    second, _ = run_training(tmp_path, url=url, local_dir=str(tmp_path / "node-b"), endpoint=s3_endpoint,
-                             enable_early=True)
+    second, _ = run_training(
+        tmp_path, url=url, local_dir=str(tmp_path / "node-b"), endpoint=s3_endpoint, enable_early=True
+    )
     found = second["cache"]["hits"] + second["cache"]["unloadable"]
     assert second["cache"]["misses"] == 0
     assert found == first["cache"]["misses"]
@@ -150,8 +163,13 @@ def test_s3_push_then_pull_into_fresh_dir_reuses_every_graph_and_other_flags_do_
 
 
 def test_unreachable_bucket_and_late_cache_warn_and_training_goes_on(tmp_path, s3_endpoint):
-    result, stderr = run_training(tmp_path, url=f"s3://{BUCKET}/x", local_dir=str(tmp_path / "cache"),
-                                  endpoint="http://127.0.0.1:9", compile_first=True)
+    result, stderr = run_training(
+        tmp_path,
+        url=f"s3://{BUCKET}/x",
+        local_dir=str(tmp_path / "cache"),
+        endpoint="http://127.0.0.1:9",
+        compile_first=True,
+    )
     assert result["global_step"] == 4
     assert "could not list s3://compile-cache/x (EndpointConnectionError" in stderr
     assert "training goes on" in stderr and SECRET not in stderr
@@ -176,8 +194,9 @@ def test_missing_credentials_warn_without_leaking_secrets(tmp_path, s3_endpoint,
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    cache = NeuronCompileCache(f"s3://{BUCKET}/p", local_dir=str(tmp_path / "c"), endpoint_url=s3_endpoint,
-                               connect_timeout=1, max_attempts=1)
+    cache = NeuronCompileCache(
+        f"s3://{BUCKET}/p", local_dir=str(tmp_path / "c"), endpoint_url=s3_endpoint, connect_timeout=1, max_attempts=1
+    )
     with pytest.warns(UserWarning, match="NoCredentialsError.*training goes on"):
         assert cache.pull() == 0
 
@@ -189,7 +208,8 @@ def test_bad_archives_are_refused_and_good_ones_still_pulled(tmp_path, s3_endpoi
     put_archive(s3_endpoint, f"{prefix}/3-hardlink.tar.gz", [(link_member("hard", "../../x", tarfile.LNKTYPE), b"")])
     put_archive(s3_endpoint, f"{prefix}/4-absolute.tar.gz", [(file_member("/tmp/evil-abs"), b"x")])
     boto3.client("s3", endpoint_url=s3_endpoint).put_object(
-        Bucket=BUCKET, Key=f"{prefix}/5-corrupt.tar.gz", Body=b"\x1f\x8b this is not gzip")
+        Bucket=BUCKET, Key=f"{prefix}/5-corrupt.tar.gz", Body=b"\x1f\x8b this is not gzip"
+    )
     put_archive(s3_endpoint, f"{prefix}/6-good.tar.gz", [(file_member("xla-cpu-flags-0/graph"), b"compiled")])
 
     local = tmp_path / "root" / "cache"

@@ -83,7 +83,10 @@ class SequenceRegressor(LightningModule):
     graphs per shape with `torch.compile(backend="neuron")` on the native backend, unchanged on XLA."""
 
     def __init__(
-        self, shapes: list[tuple[int, int]], val_shapes: list[tuple[int, int]], use_median: bool = False,
+        self,
+        shapes: list[tuple[int, int]],
+        val_shapes: list[tuple[int, int]],
+        use_median: bool = False,
         growing_window: bool = False,
     ) -> None:
         super().__init__()
@@ -129,9 +132,16 @@ def fit(
 ) -> tuple[CompileMonitor, RecordingLogger, list[str]]:
     monitor, logger = CompileMonitor(warmup_steps=2), RecordingLogger()
     callbacks = [IdleDeviceAtReads(), monitor] if idle_at_reads else [monitor]
-    trainer = Trainer(accelerator="neuron", max_epochs=epochs, logger=logger, callbacks=callbacks,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0)
+    trainer = Trainer(
+        accelerator="neuron",
+        max_epochs=epochs,
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)

@@ -45,8 +45,9 @@ def test_optlevel_spellings(spelling):
 
 def test_merge_keeps_user_flags_and_adds_no_duplicates(monkeypatch):
     monkeypatch.setenv("NEURON_CC_FLAGS", "-O1 --retry_failed_compilation")
-    callback = NeuronCompilerFlags(optlevel="O1", model_type="transformer", auto_cast="matmult",
-                                   extra_flags=["--retry_failed_compilation"])
+    callback = NeuronCompilerFlags(
+        optlevel="O1", model_type="transformer", auto_cast="matmult", extra_flags=["--retry_failed_compilation"]
+    )
     merged = callback.apply()
     assert os.environ["NEURON_CC_FLAGS"] == merged
     assert merged.startswith("-O1 --retry_failed_compilation")  # the user's text is kept as written
@@ -84,9 +85,16 @@ class FlagsSeenModel(BoringModel):
 
 def _fit(callback: NeuronCompilerFlags) -> FlagsSeenModel:
     model = FlagsSeenModel()
-    trainer = Trainer(accelerator="neuron", max_steps=2, limit_val_batches=0, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[callback])
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
     trainer.fit(model)
     return model
 

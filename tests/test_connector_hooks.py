@@ -9,13 +9,18 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from lightning_trn import NeuronAccelerator, NeuronDDPStrategy, NeuronPrecision, SingleDeviceNeuronStrategy
-from lightning_trn import registration
+from lightning_trn import (
+    NeuronAccelerator,
+    NeuronDDPStrategy,
+    NeuronPrecision,
+    SingleDeviceNeuronStrategy,
+    registration,
+)
 from lightning_trn.runtime import native
 
 pytestmark = pytest.mark.both
 
-QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_checkpointing": False, "enable_model_summary": False}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_find_unused_parameters_false"])

@@ -44,8 +44,7 @@ def _train(python: Path | str, accelerator: str, epochs: int, save: Path, resume
     command = [str(python), str(SCRIPT), "--accelerator", accelerator, "--epochs", str(epochs), "--save", str(save)]
     if resume is not None:  # other initial weights: only a restore of weights and momentum gives the reference run
         command += ["--resume", str(resume), "--seed", "1"]
-    run = subprocess.run(command, env=env, cwd=save.parent,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(command, env=env, cwd=save.parent, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
@@ -60,8 +59,9 @@ def _assert_same_run(result: dict, reference: dict, backend: str) -> None:
     assert result["backend"] == backend
     assert result["global_step"] == reference["global_step"] == 8
     for name, value in reference["weights"].items():
-        torch.testing.assert_close(torch.tensor(result["weights"][name]), torch.tensor(value), atol=TOLERANCE,
-                                   rtol=0, msg=name)
+        torch.testing.assert_close(
+            torch.tensor(result["weights"][name]), torch.tensor(value), atol=TOLERANCE, rtol=0, msg=name
+        )
 
 
 def _cpu_only(checkpoint: Path) -> bool:
@@ -85,7 +85,11 @@ def test_native_checkpoint_resumes_on_xla_and_on_the_cpu(tmp_path: Path, native_
     half = _train(native_python, "neuron", 1, tmp_path / "native.ckpt")
     assert (half["backend"], half["global_step"]) == ("native", 4)
     assert _cpu_only(tmp_path / "native.ckpt")  # loaded here, in a process that has no neuron device
-    _assert_same_run(_train(sys.executable, "neuron", 2, tmp_path / "xla.ckpt", resume=tmp_path / "native.ckpt"),
-                     uninterrupted, "xla")
-    _assert_same_run(_train(sys.executable, "cpu", 2, tmp_path / "cpu.ckpt", resume=tmp_path / "native.ckpt"),
-                     uninterrupted, "cpu")
+    _assert_same_run(
+        _train(sys.executable, "neuron", 2, tmp_path / "xla.ckpt", resume=tmp_path / "native.ckpt"),
+        uninterrupted,
+        "xla",
+    )
+    _assert_same_run(
+        _train(sys.executable, "cpu", 2, tmp_path / "cpu.ckpt", resume=tmp_path / "native.ckpt"), uninterrupted, "cpu"
+    )

@@ -34,8 +34,20 @@ def _free_port() -> int:
 
 def _train_args(out: Path, devices: int, num_nodes: int = 1, *extra: str) -> list[str]:
     batch_size = 8 // (devices * num_nodes)
-    return [str(SCRIPT), "--out", str(out), "--devices", str(devices), "--num-nodes", str(num_nodes),
-            "--batch-size", str(batch_size), "--steps", str(STEPS), *extra]
+    return [
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--devices",
+        str(devices),
+        "--num-nodes",
+        str(num_nodes),
+        "--batch-size",
+        str(batch_size),
+        "--steps",
+        str(STEPS),
+        *extra,
+    ]
 
 
 def _run(command: list[str], out: Path) -> subprocess.CompletedProcess:
@@ -44,8 +56,16 @@ def _run(command: list[str], out: Path) -> subprocess.CompletedProcess:
 
 
 def _torchrun(nproc: int, nnodes: int = 1, node_rank: int = 0, port: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
-            f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port or _free_port()}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port or _free_port()}",
+    ]
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -83,7 +103,10 @@ def _assert_trained_like_reference(
     results = json.loads((out / "collectives.json").read_text())
     assert results["world_size"] == 2
     assert {op: results[op] for op in ("sum", "mean", "max", "min")} == {
-        "sum": [3.0], "mean": [1.5], "max": [2.0], "min": [1.0]
+        "sum": [3.0],
+        "mean": [1.5],
+        "max": [2.0],
+        "min": [1.0],
     }
     assert results["gathered"] == [[1.0], [2.0]]
     assert results["broadcast"] == {"from_rank": 0}
@@ -120,7 +143,11 @@ def test_two_nodes_train_and_checkpoint_once(tmp_path: Path, reference: tuple) -
     nodes = [
         subprocess.Popen(
             [*_torchrun(nproc=1, nnodes=2, node_rank=rank, port=port), *_train_args(tmp_path, devices=1, num_nodes=2)],
-            env=child_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=child_env(),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in (0, 1)
     ]

@@ -9,6 +9,7 @@ consolidation runs in the native one.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -26,7 +27,11 @@ from torch.distributed.checkpoint import FileSystemReader
 import lightning_trn.core.distributed_checkpoint as dc
 from benchmarks.dcp_read import llama_shapes, write_fsdp_checkpoint
 from lightning_trn.core.distributed_checkpoint import (
-    METADATA_FILE, DistributedCheckpointReader, load_consolidated, write_consolidated, write_safetensors,
+    METADATA_FILE,
+    DistributedCheckpointReader,
+    load_consolidated,
+    write_consolidated,
+    write_safetensors,
 )
 
 pytestmark = pytest.mark.both
@@ -136,7 +141,7 @@ def test_tensors_are_read_in_batches_of_bounded_size(
     assert all(sum(sizes[key] for key in keys) <= budget or len(keys) == 1 for keys in batches)
     assert any(sizes[keys[0]] > budget for keys in batches)  # the embeddings
     # each batch is full: the next entry would not have fit (entries in order)
-    for keys, following in zip(batches, batches[1:]):
+    for keys, following in itertools.pairwise(batches):
         assert sum(sizes[key] for key in keys) + sizes[following[0]] > budget
     assert len(batches) < len(read) / 2
 

@@ -14,16 +14,16 @@ from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch import Trainer
+from models import RegressionModel, regression_loader
 from torch.utils.data import DataLoader, Subset
 
 import lightning_trn
 from lightning_trn import fabric as neuron_fabric
 from lightning_trn.runtime import get_runtime
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.both
 
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 STEPS = 6
 BATCH = 16
 #: float32 and bf16-mixed: the same ops on the same batches in the same order. bf16-true: the Trainer computes the
@@ -143,8 +143,11 @@ def test_a_fabric_loop_equals_the_trainer_run(precision: str):
 
 @pytest.mark.parametrize(
     ("precision", "parameters", "activations"),
-    [("32-true", torch.float32, torch.float32), ("bf16-mixed", torch.float32, torch.bfloat16),
-     ("bf16-true", torch.bfloat16, torch.bfloat16)],
+    [
+        ("32-true", torch.float32, torch.float32),
+        ("bf16-mixed", torch.float32, torch.bfloat16),
+        ("bf16-true", torch.bfloat16, torch.bfloat16),
+    ],
 )
 def test_precision_dtypes(precision: str, parameters: torch.dtype, activations: torch.dtype):
     fabric, model, _ = fabric_setup(precision)
@@ -213,6 +216,6 @@ def test_clip_gradients_clips_as_on_the_cpu():
     norm = fabric.clip_gradients(model, optimizer, max_norm=0.5, error_if_nonfinite=False)
     expected_norm = torch.nn.utils.clip_grad_norm_(cpu.parameters(), max_norm=0.5)
     torch.testing.assert_close(norm.cpu(), expected_norm, rtol=1e-5, atol=0)
-    for (name, clipped), reference in zip(model.named_parameters(), cpu.parameters()):
+    for (name, clipped), reference in zip(model.named_parameters(), cpu.parameters(), strict=True):
         assert clipped.grad.device.type == get_runtime().device_type
         torch.testing.assert_close(clipped.grad.cpu(), reference.grad, rtol=1e-5, atol=1e-6, msg=name)

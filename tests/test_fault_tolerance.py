@@ -1,8 +1,10 @@
-"""Fault tolerance: resumable `DevicePrefetchLoader`, random state in checkpoints, kill -9 and resume to the same
-weights (a job with every kind of randomness, DDP, Fabric, the MLP recipe), atomic saves. Both suites run it."""
+"""Fault tolerance: resumable `DevicePrefetchLoader`, random state in checkpoints, kill -9 (or SIGTERM to one rank of
+a DDP job) and resume to the same weights (a job with every kind of randomness, DDP, Fabric, the MLP recipe), atomic
+saves. Both suites run it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -25,7 +27,11 @@ from lightning_trn.core.checkpoint_file import LOADER_STATES_KEY
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
 from lightning_trn.core.random_state import (
-    RANDOM_STATE_KEY, host_states, loader_generators, set_host_states, step_seed,
+    RANDOM_STATE_KEY,
+    host_states,
+    loader_generators,
+    set_host_states,
+    step_seed,
 )
 from tests.launch import child_env
 from tests.models import AugmentedDataset
@@ -160,6 +166,7 @@ def test_loader_generators_are_found_once_each():
 def test_loader_replays_the_interrupted_epochs_order_and_samples():
     """Mid-epoch, the loader's state is the epoch's start: restored in a fresh loader (and fresh host generators),
     the batches after the skip are those the interrupted epoch would have drawn next, augmentation included."""
+
     def loader() -> DevicePrefetchLoader:
         plain = DataLoader(AugmentedDataset(32), batch_size=4, shuffle=True)
         return DevicePrefetchLoader(plain, torch.device("cpu"), FakeRuntime(read_ahead=2))
@@ -179,7 +186,7 @@ def test_loader_replays_the_interrupted_epochs_order_and_samples():
     assert second.restore_random_state(saved, skip=True)
     replayed = list(second)
     assert len(replayed) == len(rest)
-    for (_, (x_a, y_a)), (_, (x_b, y_b)) in zip(rest, replayed):
+    for (_, (x_a, y_a)), (_, (x_b, y_b)) in zip(rest, replayed, strict=True):
         assert torch.equal(x_a, x_b) and torch.equal(y_a, y_b)
 
 
@@ -207,8 +214,10 @@ def test_resuming_a_random_sampler_warns_unless_its_order_was_restored(caplog: p
 
 def test_loader_states_are_saved_outside_lightnings_loop_state_and_restored_on_load(tmp_path: Path):
     states = [{BATCHES_YIELDED: 3}]
-    checkpoint = {"state_dict": {"w": torch.ones(2)},
-                  "loops": {"fit_loop": {"state_dict": {"combined_loader": states}, "epoch_progress": {"total": 1}}}}
+    checkpoint = {
+        "state_dict": {"w": torch.ones(2)},
+        "loops": {"fit_loop": {"state_dict": {"combined_loader": states}, "epoch_progress": {"total": 1}}},
+    }
     io = NeuronCheckpointIO()
     io.save_checkpoint(checkpoint, tmp_path / "c.ckpt")
 
@@ -239,8 +248,14 @@ def test_failed_save_keeps_the_previous_checkpoint_and_no_temp_file(tmp_path: Pa
 
 
 def _popen(args: list[str], env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], env=env or child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, *args],
+        env=env or child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def _read_until(proc: subprocess.Popen, prefix: str, at_least: int) -> list[str]:
@@ -256,25 +271,40 @@ def _read_until(proc: subprocess.Popen, prefix: str, at_least: int) -> list[str]
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the child and every process it started (a data-parallel job's other ranks)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.communicate()
 
 
 def _train(out: Path, devices: int = 1, max_steps: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *_train_args(out, devices, max_steps)], env=child_env(), capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, *_train_args(out, devices, max_steps)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
 
 
 MAX_STEPS, EVERY, BATCHES_PER_EPOCH, KILL_AT = 40, 5, 16, 23
 
 
-def _train_args(out: Path, devices: int = 1, max_steps: int | None = None) -> list[str]:
+def _train_args(out: Path, devices: int = 1, max_steps: int | None = None, *extra: str) -> list[str]:
     # the same command for every run; the delay lets the parent kill at a chosen step
-    return [str(SCRIPTS / "ft_train.py"), "--out", str(out), "--max-steps", str(max_steps or MAX_STEPS),
-            "--every", str(EVERY), "--step-delay", "0.05", "--devices", str(devices)]
+    return [
+        str(SCRIPTS / "ft_train.py"),
+        "--out",
+        str(out),
+        "--max-steps",
+        str(max_steps or MAX_STEPS),
+        "--every",
+        str(EVERY),
+        "--step-delay",
+        "0.05",
+        "--devices",
+        str(devices),
+        *extra,
+    ]
 
 
 def _start_step(stdout: str) -> int:
@@ -288,22 +318,6 @@ def _assert_same_weights(a: Path, b: Path) -> None:
         assert torch.equal(weights_a[name], weights_b[name]), name
 
 
-def _kill_at_step_and_resume(tmp_path: Path, devices: int, kill_at: int, max_steps: int) -> subprocess.CompletedProcess:
-    """Run the job, SIGKILL it (all its processes) once step `kill_at` is done, start the same command again."""
-    out = tmp_path / "b"
-    proc = _popen(_train_args(out, devices, max_steps), start_new_session=True)
-    try:
-        _read_until(proc, "STEP", kill_at)
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == -signal.SIGKILL
-    assert not (out / "final.pt").exists()
-    resumed = _train(out, devices, max_steps)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "not exact" not in resumed.stderr
-    return resumed
-
-
 @pytest.mark.slow
 def test_kill_9_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(tmp_path: Path):
     """The job has every kind of randomness: a plain shuffling DataLoader, random augmentation in the dataset
@@ -313,8 +327,17 @@ def test_kill_9_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(tmp_path
     assert uninterrupted.returncode == 0, uninterrupted.stderr
     assert _start_step(uninterrupted.stdout) == 0
 
-    resumed = _kill_at_step_and_resume(tmp_path, 1, KILL_AT, MAX_STEPS)
     out = tmp_path / "b"
+    proc = _popen(_train_args(out), start_new_session=True)
+    try:
+        _read_until(proc, "STEP", KILL_AT)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "final.pt").exists()
+    resumed = _train(out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "not exact" not in resumed.stderr
     saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved[LOADER_STATES_KEY] == [{BATCHES_YIELDED: saved["global_step"] % BATCHES_PER_EPOCH}]
     assert "combined_loader" not in saved["loops"]["fit_loop"]["state_dict"]  # a plain DataLoader can resume it too
@@ -327,16 +350,34 @@ def test_kill_9_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(tmp_path
 
 
 @pytest.mark.slow
-def test_kill_9_of_a_data_parallel_job_and_rerun_ends_with_the_uninterrupted_weights(tmp_path: Path):
-    """The same job on 2 processes (8 batches per rank and epoch): each rank resumes its own random state."""
-    steps = 16
+def test_sigterm_to_one_rank_of_a_data_parallel_job_stops_both_at_one_checkpoint_and_rerun_ends_equal(tmp_path: Path):
+    """The same job on 2 processes (8 batches per rank and epoch). Rank 1 alone gets SIGTERM after step 13 (a
+    preempted node): both ranks stop after that same step, one checkpoint of step 13 is written (mid-epoch 1); rerun,
+    each rank resumes its own random state and the job ends bitwise as the uninterrupted run."""
+    steps, stop_at = 16, 13
     uninterrupted = _train(tmp_path / "a", devices=2, max_steps=steps)
     assert uninterrupted.returncode == 0, uninterrupted.stderr
-    resumed = _kill_at_step_and_resume(tmp_path, 2, 13, steps)
-    assert _start_step(resumed.stdout) == 10  # mid-epoch 1
-    saved = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert len(saved[RANDOM_STATE_KEY]["ranks"]) == 2
-    _assert_same_weights(tmp_path / "a" / "final.pt", tmp_path / "b" / "final.pt")
+    out = tmp_path / "b"
+    proc = _popen(
+        _train_args(out, 2, steps, "--sigterm-rank", "1", "--sigterm-step", str(stop_at)), start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)  # ends when both ranks closed their stdout
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        pytest.fail("the signalled job did not stop: a rank hung")
+    assert proc.returncode == 0, stderr  # `SIGTERMException` is a `SystemExit` without a code
+    assert sorted(line for line in stdout.splitlines() if line.startswith("STOPPED")) == [
+        f"STOPPED {rank} {stop_at}" for rank in (0, 1)
+    ], stdout + stderr
+    assert not (out / "final.pt").exists()
+    saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == stop_at and len(saved[RANDOM_STATE_KEY]["ranks"]) == 2
+    resumed = _train(out, devices=2, max_steps=steps)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "not exact" not in resumed.stderr
+    assert _start_step(resumed.stdout) == stop_at
+    _assert_same_weights(tmp_path / "a" / "final.pt", out / "final.pt")
 
 
 def test_a_checkpoint_without_random_state_resumes_with_one_notice(tmp_path: Path, caplog: pytest.LogCaptureFixture):
@@ -347,8 +388,16 @@ def test_a_checkpoint_without_random_state_resumes_with_one_notice(tmp_path: Pat
     from tests.models import RegressionModel, regression_loader
 
     def trainer(steps: int) -> pl.Trainer:
-        return pl.Trainer(accelerator="neuron", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+        return pl.Trainer(
+            accelerator="neuron",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=tmp_path,
+        )
 
     first = trainer(2)
     first.fit(RegressionModel(), regression_loader(n=64))
@@ -404,8 +453,16 @@ def test_fabric_save_and_load_resume_mid_epoch_exactly(tmp_path: Path):
 
 
 def _recipe(out: Path, *overrides: str, **kwargs: Any) -> subprocess.Popen:
-    args = ["-m", "lightning_trn.recipes.mlp", f"out_dir={out}", "model.hidden=[32]", "trainer.max_epochs=4",
-            "trainer.limit_train_batches=40", "trainer.enable_progress_bar=false", *overrides]
+    args = [
+        "-m",
+        "lightning_trn.recipes.mlp",
+        f"out_dir={out}",
+        "model.hidden=[32]",
+        "trainer.max_epochs=4",
+        "trainer.limit_train_batches=40",
+        "trainer.enable_progress_bar=false",
+        *overrides,
+    ]
     return _popen(args, cwd=str(PROJECT_ROOT), **kwargs)
 
 
@@ -462,8 +519,9 @@ def test_kill_9_during_saves_never_leaves_a_partial_checkpoint(tmp_path: Path, t
     rng = random.Random(0)
     env = child_env(**tmpdir_elsewhere)
     for kill in range(4):
-        proc = _popen([str(SCRIPTS / "ft_save_loop.py"), "--path", str(path), "--first-version", str(1000 * kill)],
-                      env=env)
+        proc = _popen(
+            [str(SCRIPTS / "ft_save_loop.py"), "--path", str(path), "--first-version", str(1000 * kill)], env=env
+        )
         try:
             _read_until(proc, "SAVED", 1000 * kill)  # at least one complete save of this round
             time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside a later save

@@ -1,6 +1,6 @@
-"""The health check (docs/operations.md): `python -m lightning_trn.healthcheck` on 1 and 2 processes (self-launched and under
-torchrun), a rank made to return a wrong result or to hang at the device boundary (`tests/scripts/
-faulty_healthcheck.py`), and the `NeuronHealthCheck` callback stopping `fit` before its first step."""
+"""The health check (docs/operations.md): `python -m lightning_trn.healthcheck` on 1 and 2 processes (self-launched and
+under torchrun), a rank made to return a wrong result or to hang at the device boundary
+(`tests/scripts/faulty_healthcheck.py`), and the `NeuronHealthCheck` callback stopping `fit` before its first step."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import child_env
 from lightning.pytorch import Trainer
+from models import RegressionModel, regression_loader
+from test_ddp_training import _torchrun
 
 from lightning_trn import NeuronHealthCheck
 from lightning_trn.healthcheck import EXIT_HUNG, HealthCheckError
 from lightning_trn.healthcheck.__main__ import _launch_defaults
-from models import RegressionModel, regression_loader
-from launch import child_env
-from test_ddp_training import _torchrun
 
 pytestmark = pytest.mark.both
 
@@ -31,8 +31,7 @@ TIMEOUT_S = 150
 def _check(tmp_path: Path, *command: str, timeout: float = 20, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
     report = tmp_path / "report.json"
     args = [*command, "--size-mb", "1", "--iters", "2", "--timeout", str(timeout), "--json", str(report)]
-    result = subprocess.run(args, env=child_env(**env), cwd=tmp_path, capture_output=True, text=True,
-                            timeout=TIMEOUT_S)
+    result = subprocess.run(args, env=child_env(**env), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
     return result, json.loads(report.read_text()) if report.exists() else {}
 
 
@@ -69,8 +68,7 @@ def test_a_rank_with_a_wrong_result_is_named_and_the_job_fails(tmp_path: Path):
 def test_a_hung_rank_is_named_after_the_timeout_and_nothing_hangs(tmp_path: Path):
     """Rank 0 names rank 1 after the timeout; rank 1, stuck in its device call, ends itself after twice that (the
     run returning at all, within `TIMEOUT_S`, is the "nothing hangs")."""
-    result, _ = _check(tmp_path, sys.executable, str(FAULTY), "--devices", "2", timeout=5, FAULT="hang",
-                       FAULT_RANK="1")
+    result, _ = _check(tmp_path, sys.executable, str(FAULTY), "--devices", "2", timeout=5, FAULT="hang", FAULT_RANK="1")
     assert result.returncode != 0, result.stderr[-3000:]
     assert "[rank 0] lightning_trn health check: rank 1 (host " in result.stderr, result.stderr[-3000:]
     assert "did not finish the device op within 5 s" in result.stderr
@@ -94,8 +92,16 @@ class Counted(RegressionModel):
 
 def _fit_with_health_check(tmp_path: Path) -> tuple[Trainer, NeuronHealthCheck]:
     check = NeuronHealthCheck(size_mb=1)
-    trainer = Trainer(accelerator="neuron", devices=1, max_steps=2, callbacks=[check], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        accelerator="neuron",
+        devices=1,
+        max_steps=2,
+        callbacks=[check],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     Counted.steps = 0
     trainer.fit(Counted(), regression_loader(n=64))
     return trainer, check
@@ -138,9 +144,15 @@ def test_ranks_with_different_software_are_named():
     from lightning_trn.healthcheck import RankReport, _check_versions
 
     same = {"torch": "2.9.0", "neuron driver": "2.24.7.0"}
-    ranks = [RankReport(0, "a", "core 0", versions=same), RankReport(1, "a", "core 1", versions=dict(same)),
-             RankReport(2, "b", "core 0", versions={**same, "neuron driver": "2.22.1.0"})]
+    ranks = [
+        RankReport(0, "a", "core 0", versions=same),
+        RankReport(1, "a", "core 1", versions=dict(same)),
+        RankReport(2, "b", "core 0", versions={**same, "neuron driver": "2.22.1.0"}),
+    ]
     _check_versions(ranks[:2])
-    with pytest.raises(HealthCheckError, match=r"rank 2 \(host b, core 0\): neuron driver 2\.22\.1\.0 \(rank 0: "
-                                               r"2\.24\.7\.0\)"):
+    with pytest.raises(
+        HealthCheckError,
+        match=r"rank 2 \(host b, core 0\): neuron driver 2\.22\.1\.0 \(rank 0: "
+        r"2\.24\.7\.0\)",
+    ):
         _check_versions(ranks)

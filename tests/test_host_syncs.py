@@ -8,11 +8,11 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from models import RegressionModel
 from torch import nn
 
 from lightning_trn.pytorch.callbacks.progress_bar import HostSyncFreeMetricsMixin
 from lightning_trn.runtime import get_runtime
-from models import RegressionModel
 
 pytestmark = pytest.mark.both
 
@@ -87,9 +87,16 @@ def test_a_logging_step_reads_all_its_values_in_one_transfer(tmp_path, redraw_cl
     transfer for all of them (on the native backend one host sync), no `.item()` read; what both show is the step's
     loss."""
     reads = LoggingStepReads()
-    trainer = Trainer(accelerator="neuron", max_steps=LOG_EVERY + 1, log_every_n_steps=LOG_EVERY,
-                      default_root_dir=tmp_path, logger=CSVLogger(tmp_path, name="csv"), enable_checkpointing=False,
-                      enable_model_summary=False, callbacks=[reads, redraw_clock.advance_per_batch(0.06)])
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=LOG_EVERY + 1,
+        log_every_n_steps=LOG_EVERY,
+        default_root_dir=tmp_path,
+        logger=CSVLogger(tmp_path, name="csv"),
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[reads, redraw_clock.advance_per_batch(0.06)],
+    )
     trainer.fit(LogsThreeValues())
 
     # XLA: every transfer is a host sync; native: the copies are queued and waited for once
@@ -105,8 +112,9 @@ def test_a_logging_step_reads_all_its_values_in_one_transfer(tmp_path, redraw_cl
 
 def test_progress_bar_metrics_are_numbers_after_fit(tmp_path):
     """Kept as device tensors during the run, they are plain numbers afterwards, as in Lightning (JSON-ready)."""
-    trainer = Trainer(accelerator="neuron", max_steps=3, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="neuron", max_steps=3, default_root_dir=tmp_path, logger=False, enable_checkpointing=False
+    )
     trainer.fit(RegressionModel())
     assert trainer.strategy.hook_contract.defer_progress_bar_metrics
     metrics = trainer.progress_bar_metrics

@@ -1,5 +1,5 @@
-"""Compile and transfer economy of a whole job (docs/job-economy.md): counts per phase that `benchmarks/job_economy.py` measures
-for the recipes, asserted here for a small model so a regression fails CI."""
+"""Compile and transfer economy of a whole job (docs/job-economy.md): counts per phase that
+`benchmarks/job_economy.py` measures for the recipes, asserted here for a small model so a regression fails CI."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from models import RegressionModel, regression_loader
 from torch import nn
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn.runtime import get_runtime
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.xla_only  # the counts are torch_xla's
 
@@ -22,8 +22,9 @@ class Deep(RegressionModel):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layer = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8),
-                                   nn.Linear(8, 1))
+        self.layer = nn.Sequential(
+            nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(8, 1)
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
@@ -50,9 +51,17 @@ class SaveMidRun(Callback):
 
 def test_a_checkpoint_is_one_device_to_host_transfer(tmp_path: Path):
     saver = SaveMidRun(tmp_path / "last.ckpt")
-    trainer = Trainer(accelerator="neuron", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                      callbacks=[saver])
+    trainer = Trainer(
+        accelerator="neuron",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[saver],
+    )
     trainer.fit(Deep(), regression_loader(n=64))
     assert saver.transfers == 1
     saved = torch.load(saver.path, weights_only=True)
@@ -62,8 +71,12 @@ def test_a_checkpoint_is_one_device_to_host_transfer(tmp_path: Path):
     assert all(torch.equal(saved["state_dict"][name], weight) for name, weight in saver.weights.items())
 
 
-SHORT_JOB = ["trainer.max_epochs=2", "trainer.limit_train_batches=5", "trainer.limit_val_batches=3",
-             "trainer.limit_test_batches=3"]
+SHORT_JOB = [
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=5",
+    "trainer.limit_val_batches=3",
+    "trainer.limit_test_batches=3",
+]
 
 
 def test_a_recipe_job_compiles_and_moves_what_it_must_per_phase():
@@ -75,16 +88,31 @@ def test_a_recipe_job_compiles_and_moves_what_it_must_per_phase():
 
     ((plugin, expert),) = main(["--workloads", "mlp", "--set", *SHORT_JOB]).values()
     compiles = plugin.per_phase("compiles")
-    assert compiles == {"setup": 1, "train": 2, "validation": 0, "epoch end": 0, "checkpoint": 0, "test": 0,
-                        "teardown": 0}
+    assert compiles == {
+        "setup": 1,
+        "train": 2,
+        "validation": 0,
+        "epoch end": 0,
+        "checkpoint": 0,
+        "test": 0,
+        "teardown": 0,
+    }
     transfers = plugin.per_phase("device_to_host")
     # setup: the sanity check's values; per epoch: the validation values, the training values, last.ckpt and the
     # epoch's checkpoint file; test: its values; teardown: fit's and test's moves to the host
-    assert transfers == {"setup": 1, "train": 0, "validation": 2, "epoch end": 2, "checkpoint": 4, "test": 1,
-                         "teardown": 2}
+    assert transfers == {
+        "setup": 1,
+        "train": 0,
+        "validation": 2,
+        "epoch end": 2,
+        "checkpoint": 4,
+        "test": 1,
+        "teardown": 2,
+    }
     assert sum(p.metrics.scalar_reads for p in plugin.phases.values()) == 0
     assert sum(p.metrics.compiles for p in plugin.phases.values()) <= sum(
-        p.metrics.compiles for p in expert.phases.values())
+        p.metrics.compiles for p in expert.phases.values()
+    )
     assert plugin.test["test_acc"] == pytest.approx(expert.test["test_acc"], abs=1e-6)
 
 
@@ -101,8 +129,8 @@ def test_metric_states_enter_every_step_graph_as_inputs():
     values, dtypes and device."""
     import torch_xla
 
-    from lightning_trn.hooks import registry as lightning_hooks
     from lightning_trn.core.scalars import place_scalars
+    from lightning_trn.hooks import registry as lightning_hooks
     from lightning_trn.recipes.metrics import MaskedAccuracy
 
     runtime = get_runtime()
@@ -123,7 +151,10 @@ def test_metric_states_enter_every_step_graph_as_inputs():
             assert metric.correct.item() == 6.0 and metric.total.item() == 9.0 and metric.count.item() == 3
             metric.reset()
             assert [(t.item(), t.dtype, t.device) for t in (metric.correct, metric.total, metric.count)] == [
-                (0.0, torch.float32, device), (0.0, torch.float32, device), (0, torch.long, device)]
+                (0.0, torch.float32, device),
+                (0.0, torch.float32, device),
+                (0, torch.long, device),
+            ]
         assert _compiles_since(before) == 1  # the update step, once: reads and resets compile nothing
     finally:
         lightning_hooks.release()
@@ -162,9 +193,17 @@ class Snapshot(Callback):
 
 def test_the_teardown_moves_everything_to_the_host_in_one_transfer(tmp_path: Path):
     snapshot = Snapshot()
-    trainer = Trainer(accelerator="neuron", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                      callbacks=[snapshot])
+    trainer = Trainer(
+        accelerator="neuron",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[snapshot],
+    )
     model = WithMetric()
     trainer.fit(model, regression_loader(n=64))
     teardown = get_runtime().metrics() - snapshot.before
@@ -174,8 +213,11 @@ def test_the_teardown_moves_everything_to_the_host_in_one_transfer(tmp_path: Pat
     assert all(isinstance(p, nn.Parameter) and p.device.type == "cpu" and p.requires_grad for p in params.values())
     assert all(torch.equal(params[name], value) for name, value in snapshot.params.items())
     states = list(trainer.optimizers[0].state.values())
-    assert all(torch.equal(state[k], v) and state[k].device.type == "cpu"
-               for state, saved in zip(states, snapshot.optimizer) for k, v in saved.items())
+    assert all(
+        torch.equal(state[k], v) and state[k].device.type == "cpu"
+        for state, saved in zip(states, snapshot.optimizer, strict=True)
+        for k, v in saved.items()
+    )
     assert all(torch.equal(getattr(model.error, name), value) for name, value in snapshot.states.items())
     assert model.error.device.type == "cpu"
     assert {value.device.type for value in trainer.callback_metrics.values()} == {"cpu"}

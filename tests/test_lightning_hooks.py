@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 from lightning.pytorch import Callback, LightningModule, Trainer
+from models import RegressionModel, regression_loader
 
 from lightning_trn.hooks import registry as lightning_hooks
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.both
 
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 def current() -> dict[str, object]:
@@ -48,8 +48,9 @@ def test_import_leaves_lightning_as_it_is():
 def applicable() -> set[str]:
     """The hooks that apply to this process's backend (the activation-checkpointing fence and `torch.xla` are XLA's
     only), as `registry.acquire` decides."""
-    return {f"{id(h.owner)}.{h.name}" for h in lightning_hooks.HOOKS
-            if h.make(h.owner.__dict__.get(h.name)) is not None}
+    return {
+        f"{id(h.owner)}.{h.name}" for h in lightning_hooks.HOOKS if h.make(h.owner.__dict__.get(h.name)) is not None
+    }
 
 
 def test_a_neuron_run_hooks_lightning_for_its_duration_only():

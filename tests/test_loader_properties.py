@@ -9,14 +9,14 @@ import threading
 
 import pytest
 from lightning.pytorch import Callback, Trainer
+from models import RegressionModel, regression_loader
 from torch import nn
 
 from lightning_trn.core.device_loader import DevicePrefetchLoader
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.both
 
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 class Evaluated(RegressionModel):
@@ -85,7 +85,7 @@ def described(shown: object, given: object) -> object:
     if isinstance(given, dict):
         return {key: described(shown[key], given[key]) for key in given} if isinstance(shown, dict) else shown
     if isinstance(given, list):
-        return [described(s, g) for s, g in zip(shown, given)] if isinstance(shown, list) else shown
+        return [described(s, g) for s, g in zip(shown, given, strict=True)] if isinstance(shown, list) else shown
     if shown is given:
         return "given"
     return type(shown).__name__, type(getattr(shown, "batch_sampler", None)).__name__
@@ -116,12 +116,14 @@ def test_a_loop_that_stops_early_leaves_no_loader_threads_running():
     """`limit_*_batches` leaves the prefetcher's iterator unfinished: its background threads (torch_xla's
     `ParallelLoader`, blocked on a full queue) must be stopped and joined, or they wake during interpreter shutdown
     and abort the finished job ("terminate called without an active exception", exit code 134)."""
+
     def loader_threads() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name.endswith(("(_loader_worker)", "(_worker)"))]
 
     assert not loader_threads()
-    trainer = Trainer(accelerator="neuron", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
-                      **QUIET)
+    trainer = Trainer(
+        accelerator="neuron", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1, **QUIET
+    )
     trainer.fit(RegressionModel(), regression_loader(n=640, batch_size=4), regression_loader(n=640, batch_size=4))
     gc.collect()
     assert not loader_threads()

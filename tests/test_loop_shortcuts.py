@@ -11,10 +11,10 @@ from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from models import RegressionModel, regression_loader
 from torch import nn
 
 from lightning_trn.hooks.loop_shortcuts import _NullContextProfiler, _UnscaledClosureResult, cached_signature_check
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.xla_only
 
@@ -129,8 +129,16 @@ class RecordsItsLoss(RegressionModel):
 
 def _fit(tmp_path, accelerator: str, **trainer_kwargs) -> tuple[Trainer, LossRecorder]:
     recorder = LossRecorder()
-    trainer = Trainer(accelerator=accelerator, max_steps=4, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[recorder], **trainer_kwargs)
+    trainer = Trainer(
+        accelerator=accelerator,
+        max_steps=4,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[recorder],
+        **trainer_kwargs,
+    )
     trainer.fit(RecordsItsLoss(), train_dataloaders=regression_loader())
     return trainer, recorder
 
@@ -139,7 +147,7 @@ def _fit(tmp_path, accelerator: str, **trainer_kwargs) -> tuple[Trainer, LossRec
 def test_step_output_loss_is_scaled_exactly_as_lightning_scales_it(tmp_path, accumulate):
     trainer, recorder = _fit(tmp_path, "neuron", accumulate_grad_batches=accumulate)
     assert trainer.fit_loop.epoch_loop.automatic_optimization.output_result_cls is _UnscaledClosureResult
-    for returned, reported in zip(recorder.returned, recorder.reported):
+    for returned, reported in zip(recorder.returned, recorder.reported, strict=True):
         assert torch.equal(reported, returned / accumulate)
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from models import RegressionModel
 
 import lightning_trn
 from lightning_trn import NeuronPrecision
@@ -19,7 +20,6 @@ from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, 
 from lightning_trn.pytorch.strategies.ddp import NeuronDDPStrategy
 from lightning_trn.runtime import BACKEND_ENV, discovery, selection
 from lightning_trn.runtime.collectives import check_world_size
-from models import RegressionModel
 
 pytestmark = pytest.mark.xla_only
 
@@ -44,7 +44,7 @@ def message_of(action: Callable[[], object]) -> str:
         warnings.simplefilter("always")
         try:
             action()
-        except Exception as err:  # the documented errors
+        except Exception as err:  # noqa: BLE001  the documented errors are of many types; the message is checked
             return str(err)
     return "\n".join(str(w.message) for w in caught)
 
@@ -76,8 +76,13 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
     def unreachable_cache():
         for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
             monkeypatch.setenv(name, value)
-        cache = NeuronCompileCache("s3://bucket/prefix", local_dir=str(tmp_path / "cache"),
-                                   endpoint_url="http://127.0.0.1:9", connect_timeout=1, max_attempts=1)
+        cache = NeuronCompileCache(
+            "s3://bucket/prefix",
+            local_dir=str(tmp_path / "cache"),
+            endpoint_url="http://127.0.0.1:9",
+            connect_timeout=1,
+            max_attempts=1,
+        )
         cache.pull()
 
     def dynamic_shapes():
@@ -85,8 +90,15 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
 
         # shapes no other test compiles: XLA caches graphs per process, and a cached graph is not a new compile
         shapes = [(5, 31), (5, 31), (5, 32), (5, 33), (5, 34)]
-        trainer = Trainer(accelerator="neuron", max_epochs=1, logger=False, callbacks=[CompileMonitor(warmup_steps=2)],
-                          enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
+        trainer = Trainer(
+            accelerator="neuron",
+            max_epochs=1,
+            logger=False,
+            callbacks=[CompileMonitor(warmup_steps=2)],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+        )
         trainer.fit(SequenceRegressor(shapes, [(5, 31)]))
 
     def wrong_accelerator():
@@ -153,7 +165,11 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
         "autograd-started-first": autograd_started_first,
         "sharded-xla": lambda: Trainer(accelerator="neuron", strategy=ModelParallelStrategy(), logger=False),
         "zero1-optimizer": lambda: Zero1Sharding(  # refused before the collectives are used
-            torch.optim.LBFGS(torch.nn.Linear(2, 2).parameters()), None, None, 0, torch.Tensor.to,  # type: ignore
+            torch.optim.LBFGS(torch.nn.Linear(2, 2).parameters()),
+            None,
+            None,
+            0,
+            torch.Tensor.to,  # type: ignore
         ),
     }
     return lambda row: message_of(actions[row])

@@ -20,8 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _source_tree(dest: Path) -> Path:
     """The checkout's files that git tracks or would track (no virtual environments, builds or runs)."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\n")
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
     for name in filter(None, listed):
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -33,16 +38,41 @@ def _fresh_env_with_wheel(tmp_path: Path) -> Path:
     """A new venv with only the built wheel installed; torch, lightning and the recipes' dependencies come from this
     environment's site-packages through a path entry, without its `.pth` hooks (the editable install's finder)."""
     source = _source_tree(tmp_path / "src")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     (wheel,) = (tmp_path / "dist").glob("lightning_trn-*.whl")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], check=True,
-                   capture_output=True, text=True)
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
@@ -55,11 +85,18 @@ def test_the_wheel_installs_the_recipes_under_the_package_and_no_top_level_recip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(python), *args], cwd=run_dir, env={**env, "PJRT_DEVICE": "CPU"},
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [str(python), *args],
+            cwd=run_dir,
+            env={**env, "PJRT_DEVICE": "CPU"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
-    where = run("-c", "import importlib.util as u, lightning_trn.recipes as r; print(r.__file__); "
-                      "print(u.find_spec('recipes'))")
+    where = run(
+        "-c", "import importlib.util as u, lightning_trn.recipes as r; print(r.__file__); print(u.find_spec('recipes'))"
+    )
     assert where.returncode == 0, where.stderr
     package_file, recipes_spec = where.stdout.split()[-2:]
     assert package_file.startswith(str(tmp_path / "venv")), package_file  # the wheel's copy, not the checkout
@@ -75,6 +112,10 @@ def test_the_wheel_installs_the_recipes_under_the_package_and_no_top_level_recip
 
 
 def test_the_checkout_alias_runs_the_packaged_recipe_command():
-    outputs = [subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120).stdout for module in ("recipes.llm", "lightning_trn.recipes.llm")]
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        ).stdout
+        for module in ("recipes.llm", "lightning_trn.recipes.llm")
+    ]
     assert "model.num_kv_heads=2" in outputs[0] and outputs[0] == outputs[1]

@@ -27,14 +27,14 @@ CC_FLAGS = "NEURON_CC_FLAGS"
 
 
 def _trainer(**kwargs) -> Trainer:
-    defaults = dict(
-        accelerator="neuron",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    defaults = {
+        "accelerator": "neuron",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
     return Trainer(**{**defaults, **kwargs})
 
 
@@ -43,8 +43,14 @@ def _trainer(**kwargs) -> Trainer:
 
 @pytest.mark.parametrize(
     ("flag", "expected"),
-    [(32, "32-true"), ("32", "32-true"), ("32-true", "32-true"), ("bf16", "bf16-mixed"),
-     ("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16-true")],
+    [
+        (32, "32-true"),
+        ("32", "32-true"),
+        ("32-true", "32-true"),
+        ("bf16", "bf16-mixed"),
+        ("bf16-mixed", "bf16-mixed"),
+        ("bf16-true", "bf16-true"),
+    ],
 )
 def test_precision_flag_resolves_to_neuron_precision(flag, expected):
     trainer = _trainer(precision=flag)
@@ -105,7 +111,7 @@ class DtypeProbe(LightningModule):
 def _fit(precision: NeuronPrecision | str, max_steps: int = 3) -> tuple[DtypeProbe, Trainer]:
     torch.manual_seed(0)
     model = DtypeProbe()
-    chosen = dict(precision=precision) if isinstance(precision, str) else dict(plugins=[precision])
+    chosen = {"precision": precision} if isinstance(precision, str) else {"plugins": [precision]}
     trainer = _trainer(max_steps=max_steps, **chosen)
     trainer.fit(model)
     return model, trainer
@@ -117,11 +123,11 @@ F32, BF16 = torch.float32, torch.bfloat16
 @pytest.mark.parametrize(
     ("precision", "expected", "state"),
     [
-        ("32-true", dict(input=F32, activation=F32, loss=F32, param=F32, grad=F32), F32),
+        ("32-true", {"input": F32, "activation": F32, "loss": F32, "param": F32, "grad": F32}, F32),
         # autocast: matmuls in bf16, mse_loss autocasts to fp32; fp32 parameters, gradients and optimizer state
-        ("bf16-mixed", dict(input=F32, activation=BF16, loss=F32, param=F32, grad=F32), F32),
+        ("bf16-mixed", {"input": F32, "activation": BF16, "loss": F32, "param": F32, "grad": F32}, F32),
         # everything bf16; the software-rounded update puts the optimizer state back in bf16 as on a NeuronCore
-        ("bf16-true", dict(input=BF16, activation=BF16, loss=BF16, param=BF16, grad=BF16), BF16),
+        ("bf16-true", {"input": BF16, "activation": BF16, "loss": BF16, "param": BF16, "grad": BF16}, BF16),
     ],
 )
 def test_fit_dtypes(precision, expected, state):
@@ -138,7 +144,7 @@ def test_bf16_true_software_rounding_trains_without_recompiling_each_step():
     assert trainer.precision_plugin.software_optimizer_step is not None  # XLA:CPU: no hardware rounding
     after = [p.detach().cpu() for p in model.parameters()]
     assert all(p.dtype == BF16 for p in after)
-    assert any(not torch.equal(a, b) for a, b in zip(after, before))
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
     # the random bits come from the device RNG: later steps reuse the compiled graph
     assert model.compiles[3] == model.compiles[-1], model.compiles
 
@@ -146,7 +152,7 @@ def test_bf16_true_software_rounding_trains_without_recompiling_each_step():
 def test_bf16_true_master_weights_dtypes_checkpoint_and_resume(tmp_path):
     plugin = NeuronPrecision("bf16-true", master_weights=True)
     model, trainer = _fit(plugin)
-    assert model.seen == dict(input=BF16, activation=BF16, loss=BF16, param=BF16, grad=BF16)
+    assert model.seen == {"input": BF16, "activation": BF16, "loss": BF16, "param": BF16, "grad": BF16}
     assert model.optimizer_state_dtypes() == {F32}
     masters = plugin.state_dict()["master_weights"]
     assert set(masters) == {name for name, _ in model.named_parameters()}

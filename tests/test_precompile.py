@@ -21,7 +21,7 @@ pytestmark = pytest.mark.xla_only
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 #: a "real" training script: 5 epochs of 8 batches, checkpoints and a CSV logger, a compile cache
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -53,7 +53,7 @@ trainer = Trainer(accelerator="neuron", max_epochs=5, num_sanity_val_steps=0, en
 trainer.fit(model)
 print("RESULT " + json.dumps({"global_step": trainer.global_step, "val_batches": model.val_batches,
                               "loggers": len(trainer.loggers)}))
-'''
+"""
 
 
 def _env() -> dict[str, str]:
@@ -64,7 +64,7 @@ def _env() -> dict[str, str]:
 
 def _result(stdout: str) -> dict:
     line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_parse_separates_options_from_the_training_command():
@@ -82,7 +82,11 @@ def test_precompile_runs_a_few_steps_and_fills_the_cache(tmp_path):
     script.write_text(SCRIPT)
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_trn.precompile", "--steps", "2", str(script), str(tmp_path)],
-        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = _result(proc.stdout)
@@ -117,7 +121,7 @@ def test_on_neuron_it_runs_under_neuron_parallel_compile_and_graphs_only_saves_n
 
 
 #: a recipe's job (bar, CSV logger, checkpoints, validation, test) with a compile cache; prints the cache counters
-RECIPE_SCRIPT = r'''
+RECIPE_SCRIPT = r"""
 import importlib, json, sys
 from lightning_trn.runtime import get_runtime
 from lightning_trn.recipes.cli import load_config
@@ -128,7 +132,7 @@ recipe = importlib.import_module(f"lightning_trn.recipes.{name}").RECIPE
 get_runtime().enable_compile_cache(cache)
 fit(recipe, load_config(recipe, [f"out_dir={out}", *overrides]))
 print("RESULT " + json.dumps(get_runtime().compile_cache_counters()))
-'''
+"""
 
 
 def _precompile_then_run(tmp_path: Path, recipe: str, overrides: list[str]) -> tuple[dict, dict]:
@@ -136,11 +140,18 @@ def _precompile_then_run(tmp_path: Path, recipe: str, overrides: list[str]) -> t
     script = tmp_path / "job.py"
     script.write_text(RECIPE_SCRIPT)
     run = [str(script), str(tmp_path / "out"), str(tmp_path / "cache"), recipe, *overrides]
-    pre = subprocess.run([sys.executable, "-m", "lightning_trn.precompile", "--steps", "3", *run],
-                         env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    pre = subprocess.run(
+        [sys.executable, "-m", "lightning_trn.precompile", "--steps", "3", *run],
+        env=_env(),
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert pre.returncode == 0, pre.stderr[-3000:]
-    job = subprocess.run([sys.executable, *run], env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True,
-                         timeout=300)
+    job = subprocess.run(
+        [sys.executable, *run], env=_env(), cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     return _result(pre.stdout), _result(job.stdout)
 
@@ -156,9 +167,16 @@ def test_precompile_sees_every_graph_of_a_recipe_job(tmp_path):
 
 #: the LLM recipe's job, 2 epochs of 12 steps (logging steps 10 and 20, a checkpoint and validation per epoch, then
 #: test), its model narrower than the recipe's (same layers and ops, faster to compile: CI time)
-LLM_JOB = ["trainer.max_epochs=2", "trainer.limit_train_batches=12", "trainer.limit_val_batches=4",
-           "trainer.limit_test_batches=4", "data.vocab_size=300", "data.seq_len=32", "model.hidden_size=32",
-           "model.intermediate_size=64"]
+LLM_JOB = [
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=12",
+    "trainer.limit_val_batches=4",
+    "trainer.limit_test_batches=4",
+    "data.vocab_size=300",
+    "data.seq_len=32",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+]
 
 
 @pytest.mark.slow

@@ -22,8 +22,15 @@ from lightning_trn.runtime import get_runtime
 
 pytestmark = pytest.mark.xla_only
 
-TINY = {"vocab_size": 101, "hidden_size": 36, "intermediate_size": 70, "num_hidden_layers": 2,
-        "num_attention_heads": 6, "num_key_value_heads": 2, "tie_word_embeddings": True}
+TINY = {
+    "vocab_size": 101,
+    "hidden_size": 36,
+    "intermediate_size": 70,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+}
 
 
 class Folder(NamedTuple):
@@ -110,7 +117,8 @@ def test_a_bf16_folder_builds_fp32_master_weights(tmp_path: Path) -> None:
     assert saved.dtype == torch.bfloat16
     assert torch.equal(model.model.layers[0].mlp.up_proj.weight, saved.float())
     assert {p.dtype for p in meta_model_from_pretrained(tmp_path, dtype=torch.bfloat16).parameters()} == {
-        torch.bfloat16}
+        torch.bfloat16
+    }
 
 
 def test_refusals_name_what_does_not_fit(tiny: Folder, tmp_path: Path) -> None:

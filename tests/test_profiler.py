@@ -14,12 +14,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.profilers import PyTorchProfiler, XLAProfiler
-from torch.profiler import ProfilerActivity
+from models import RegressionModel, regression_loader
 from torch import nn
+from torch.profiler import ProfilerActivity
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn.runtime import get_runtime
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.both
 
@@ -69,9 +69,18 @@ class CompilesAfterWarmup(Callback):
 @pytest.mark.parametrize(("model", "port"), [(Evaluated, 9021), (ManualOptimization, 9022)])
 def test_xla_profiler_profiles_every_stage(model, port, tmp_path):
     compiles = CompilesAfterWarmup()
-    trainer = Trainer(accelerator="neuron", max_steps=8, limit_val_batches=2, val_check_interval=2,
-                      profiler=XLAProfiler(port=port), callbacks=[compiles], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=8,
+        limit_val_batches=2,
+        val_check_interval=2,
+        profiler=XLAProfiler(port=port),
+        callbacks=[compiles],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     module = model()
     trainer.fit(module, regression_loader(n=8 * 16), regression_loader(n=32, shuffle=False))
     assert trainer.global_step == 8
@@ -84,9 +93,18 @@ def test_xla_profiler_profiles_every_stage(model, port, tmp_path):
 
 def _fit_profiled(tmp_path: Path, profiler) -> tuple[Trainer, CompilesAfterWarmup]:
     compiles = CompilesAfterWarmup()
-    trainer = Trainer(accelerator="neuron", max_steps=8, limit_val_batches=2, val_check_interval=2, profiler=profiler,
-                      callbacks=[compiles], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      default_root_dir=tmp_path)
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=8,
+        limit_val_batches=2,
+        val_check_interval=2,
+        profiler=profiler,
+        callbacks=[compiles],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(Evaluated(), regression_loader(n=8 * 16), regression_loader(n=32, shuffle=False))
     return trainer, compiles
 
@@ -117,8 +135,12 @@ def test_pytorch_profiler_keeps_the_graph_cut_rhythm(tmp_path: Path):
 def test_pytorch_profiler_with_the_neuron_activity(tmp_path: Path):
     """The PrivateUse1 (`neuron`) activity is accepted and the steps' ops are recorded. The stand-in has no device
     timeline (no profiler plugin): TorchNeuron adds one (docs/operations.md)."""
-    profiler = PyTorchProfiler(dirpath=tmp_path, filename="prof", export_to_chrome=True,
-                               activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1])
+    profiler = PyTorchProfiler(
+        dirpath=tmp_path,
+        filename="prof",
+        export_to_chrome=True,
+        activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1],
+    )
     trainer, _ = _fit_profiled(tmp_path, profiler)
     assert trainer.global_step == 8
     events = [e for trace in tmp_path.glob("*.pt.trace.json") for e in json.loads(trace.read_text())["traceEvents"]]

@@ -8,9 +8,9 @@ import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import rich_progress, tqdm_progress
+from models import RegressionModel
 
 from lightning_trn.pytorch.callbacks.progress_bar import NeuronRichProgressBar, NeuronTQDMProgressBar
-from models import RegressionModel
 
 pytestmark = pytest.mark.xla_only
 
@@ -19,8 +19,14 @@ STEP_SECONDS = 0.01  # the fake clock advances this much per batch: 100 steps/s
 
 
 def fit_one_epoch(tmp_path, bar, redraw_clock) -> Trainer:
-    trainer = Trainer(accelerator="neuron", max_epochs=1, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False, callbacks=[bar, redraw_clock.advance_per_batch(STEP_SECONDS)])
+    trainer = Trainer(
+        accelerator="neuron",
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[bar, redraw_clock.advance_per_batch(STEP_SECONDS)],
+    )
     trainer.fit(RegressionModel())
     return trainer
 
@@ -42,8 +48,9 @@ def test_tqdm_bar_redraws_on_the_clock_and_at_the_last_batch(tmp_path, monkeypat
 def test_rich_bar_thread_wakes_and_draws_at_most_max_redraws_per_second(tmp_path, monkeypatch, redraw_clock):
     soft_refreshes = []
     real_soft_refresh = rich_progress.CustomProgress.soft_refresh
-    monkeypatch.setattr(rich_progress.CustomProgress, "soft_refresh",
-                        lambda self: soft_refreshes.append(1) or real_soft_refresh(self))
+    monkeypatch.setattr(
+        rich_progress.CustomProgress, "soft_refresh", lambda self: soft_refreshes.append(1) or real_soft_refresh(self)
+    )
 
     trainer = fit_one_epoch(tmp_path, RichProgressBar(), redraw_clock)  # stock bar, refresh_rate=100: replaced
 
@@ -72,14 +79,26 @@ def test_a_configured_stock_bar_keeps_every_option(tmp_path):
 
     theme = RichProgressBarTheme(description="green_yellow", progress_bar="#6206E0")
     bars = [
-        (TQDMProgressBar(refresh_rate=3, process_position=2, leave=True), NeuronTQDMProgressBar,
-         {"refresh_rate": 3, "process_position": 2, "_leave": True}),
-        (RichProgressBar(refresh_rate=5, leave=True, theme=theme, console_kwargs={"width": 77}), NeuronRichProgressBar,
-         {"refresh_rate": 5, "_leave": True, "theme": theme, "_console_kwargs": {"width": 77}}),
+        (
+            TQDMProgressBar(refresh_rate=3, process_position=2, leave=True),
+            NeuronTQDMProgressBar,
+            {"refresh_rate": 3, "process_position": 2, "_leave": True},
+        ),
+        (
+            RichProgressBar(refresh_rate=5, leave=True, theme=theme, console_kwargs={"width": 77}),
+            NeuronRichProgressBar,
+            {"refresh_rate": 5, "_leave": True, "theme": theme, "_console_kwargs": {"width": 77}},
+        ),
     ]
     for bar, replacement, options in bars:
-        trainer = Trainer(accelerator="neuron", max_steps=2, default_root_dir=tmp_path, logger=False,
-                          enable_checkpointing=False, callbacks=[bar])
+        trainer = Trainer(
+            accelerator="neuron",
+            max_steps=2,
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_checkpointing=False,
+            callbacks=[bar],
+        )
         trainer.fit(RegressionModel())
         used = trainer.progress_bar_callback
         assert type(used) is replacement
@@ -92,8 +111,14 @@ class OwnBar(TQDMProgressBar):
 
 def test_a_users_own_bar_is_kept_and_the_cost_said_once(tmp_path, caplog):
     bar = OwnBar()
-    trainer = Trainer(accelerator="neuron", max_steps=2, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False, callbacks=[bar])
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[bar],
+    )
     trainer.fit(RegressionModel())
     assert trainer.progress_bar_callback is bar
     assert caplog.text.count("keeping your progress bar OwnBar") == 1

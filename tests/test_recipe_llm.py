@@ -61,12 +61,14 @@ def test_export_loads_in_plain_transformers_without_torch_xla_and_generates(defa
     out = common.export(llm.RECIPE, checkpoint, str(tmp_path / "export"))
     module = common.load_module(llm.RECIPE, checkpoint).eval()
     assert module.hparams.num_kv_heads < module.hparams.num_heads  # grouped-query attention
-    input_ids = module.tokenizer()(["A charming, funny film.", "Dull and far too long!!"], padding=True,
-                                   return_tensors="pt")["input_ids"][:, :6]
+    input_ids = module.tokenizer()(
+        ["A charming, funny film.", "Dull and far too long!!"], padding=True, return_tensors="pt"
+    )["input_ids"][:, :6]
     with torch.no_grad():
         expected = module(input_ids)
     torch.save(input_ids, tmp_path / "input_ids.pt")
-    child = run_without_torch_xla(f"""
+    child = run_without_torch_xla(
+        f"""
         import importlib.util, sys
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,20 +85,25 @@ def test_export_loads_in_plain_transformers_without_torch_xla_and_generates(defa
         assert importlib.util.find_spec("torch_xla") is None
         assert not any(name.startswith(("torch_xla", "lightning_trn", "recipes")) for name in sys.modules)
         print("CHILD OK")
-    """, tmp_path_factory.getbasetemp())
+    """,
+        tmp_path_factory.getbasetemp(),
+    )
     assert child.returncode == 0 and "CHILD OK" in child.stdout, child.stdout[-2000:] + child.stderr[-4000:]
     assert "TEXT:This movie is" in child.stdout
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt", weights_only=True), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("data.seq_len=0", "Config key data.seq_len=0: expected a value greater than 0 (default 128)."),
-    ("data.seq_len=long", "Config key data.seq_len='long': expected an integer (default 128)."),
-    ("data.vocab_size=100", "Config key data.vocab_size=100: expected a value of at least 259"),
-    ("model.num_kv_heads=1.5", "Config key model.num_kv_heads=1.5: expected an integer (default 2)."),
-    ("model.activation_checkpointing=maybe", "Config key model.activation_checkpointing='maybe': expected true or"),
-    ("preset=trn9-1t", "Config key preset='trn9-1t': expected one of none, trn1-1b, trn2-8b, trn2-70b."),
-])
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data.seq_len=0", "Config key data.seq_len=0: expected a value greater than 0 (default 128)."),
+        ("data.seq_len=long", "Config key data.seq_len='long': expected an integer (default 128)."),
+        ("data.vocab_size=100", "Config key data.vocab_size=100: expected a value of at least 259"),
+        ("model.num_kv_heads=1.5", "Config key model.num_kv_heads=1.5: expected an integer (default 2)."),
+        ("model.activation_checkpointing=maybe", "Config key model.activation_checkpointing='maybe': expected true or"),
+        ("preset=trn9-1t", "Config key preset='trn9-1t': expected one of none, trn1-1b, trn2-8b, trn2-70b."),
+    ],
+)
 def test_a_bad_override_is_one_line_naming_key_value_and_expectation(override, expected):
     with pytest.raises(SystemExit) as stop:
         cli.main(llm.RECIPE, [override])
@@ -105,8 +112,14 @@ def test_a_bad_override_is_one_line_naming_key_value_and_expectation(override, e
 
 
 def test_the_command_line_prints_that_one_line_and_nothing_else():
-    run = subprocess.run([sys.executable, "-m", "recipes.llm", "data.seq_len=0"], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).parents[1], env={**os.environ, "PJRT_DEVICE": "CPU"})
+    run = subprocess.run(
+        [sys.executable, "-m", "recipes.llm", "data.seq_len=0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+    )
     expected = "recipes.llm: Config key data.seq_len=0: expected a value greater than 0 (default 128)."
     assert (run.returncode, run.stdout, run.stderr.strip().splitlines()) == (1, "", [expected]), run.stderr
 
@@ -136,7 +149,7 @@ def test_packed_blocks_have_one_shape_and_keep_every_token_but_the_tail():
         batches = list(loader)
         assert {tuple(b[k].shape) for b in batches for k in ("input_ids", "labels")} == {(4, seq_len)}
         labels = torch.cat([b["labels"] for b in batches])
-        assert torch.equal(labels[: len(real)], real) and (labels[len(real):] == llm.IGNORE_INDEX).all()
+        assert torch.equal(labels[: len(real)], real) and (labels[len(real) :] == llm.IGNORE_INDEX).all()
 
 
 def test_documents_split_with_the_seed():
@@ -155,12 +168,20 @@ def test_the_tokenizer_is_deterministic_in_and_across_processes(tmp_path):
     again = llm.train_tokenizer(texts, 2048)
     assert first.backend_tokenizer.to_str() == again.backend_tokenizer.to_str()
     assert len(first) == 2048 and [first.bos_token_id, first.eos_token_id, first.pad_token_id] == [0, 1, 2]
-    code = ("from lightning_trn.recipes import llm\n"
-            "from lightning_trn.recipes.data_sources import load_rotten_tomatoes\n"
-            "texts = llm.split_documents(load_rotten_tomatoes()[0], 0.1, 0.1, seed=42)[0]\n"
-            "print(llm.train_tokenizer(texts, 2048).backend_tokenizer.to_str())\n")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           cwd=Path(__file__).parents[1], env={**os.environ, "PYTHONHASHSEED": "12345"})
+    code = (
+        "from lightning_trn.recipes import llm\n"
+        "from lightning_trn.recipes.data_sources import load_rotten_tomatoes\n"
+        "texts = llm.split_documents(load_rotten_tomatoes()[0], 0.1, 0.1, seed=42)[0]\n"
+        "print(llm.train_tokenizer(texts, 2048).backend_tokenizer.to_str())\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    )
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.strip() == first.backend_tokenizer.to_str()
     encoded = first("An unexpectedly moving film.", add_special_tokens=False)["input_ids"]
@@ -176,8 +197,16 @@ def test_unigram_perplexity_of_uniform_tokens_is_the_vocabulary_size():
 
 def _tiny(attn_implementation: str) -> llm.CausalLM:
     torch.manual_seed(0)
-    return llm.CausalLM(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, seq_len=12, attn_implementation=attn_implementation).eval()
+    return llm.CausalLM(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        seq_len=12,
+        attn_implementation=attn_implementation,
+    ).eval()
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])

@@ -35,8 +35,15 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Folder:
 
 
 def _overrides(folder: Folder, out_dir: Path, *more: str) -> list[str]:
-    return [f"model.pretrained={folder.path}", f"data.source={folder.rows}", f"out_dir={out_dir}", *STEP, *LORA,
-            "model.lr=1.0e-2", *more]
+    return [
+        f"model.pretrained={folder.path}",
+        f"data.source={folder.rows}",
+        f"out_dir={out_dir}",
+        *STEP,
+        *LORA,
+        "model.lr=1.0e-2",
+        *more,
+    ]
 
 
 def _base_name(name: str) -> str:
@@ -54,8 +61,9 @@ class _Probe(Callback):
         self.optimizer_holds_the_adapters = False
         self.state_shapes: list[tuple[torch.Size, torch.Size]] = []
 
-    def on_before_optimizer_step(self, trainer: Trainer, module: LightningModule, optimizer: torch.optim.Optimizer
-                                 ) -> None:
+    def on_before_optimizer_step(
+        self, trainer: Trainer, module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         grads = {name: p.grad.detach().cpu() for name, p in module.net.named_parameters() if p.grad is not None}
         self.steps.append((set(grads), {name for name, grad in grads.items() if grad.abs().sum() > 0}))
 
@@ -67,8 +75,9 @@ class _Probe(Callback):
 
 
 def test_only_the_adapters_train_and_sit_in_the_optimizer(folder: Folder, tmp_path: Path) -> None:
-    cfg = cli.load_config(llm.RECIPE, _overrides(folder, tmp_path / "run", "trainer.max_steps=2",
-                                                 "trainer.limit_val_batches=0"))
+    cfg = cli.load_config(
+        llm.RECIPE, _overrides(folder, tmp_path / "run", "trainer.max_steps=2", "trainer.limit_val_batches=0")
+    )
     module = llm.RECIPE.build_model(cfg)
     probe = _Probe()
     trainer = common.build_trainer(cfg, llm.RECIPE)
@@ -131,8 +140,17 @@ def test_checkpoint_resume_and_merged_export(folder: Folder, tmp_path: Path) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def config(out: str, *more: str) -> Any:
-        return cli.load_config(llm.RECIPE, _overrides(folder, tmp_path / out, "trainer.limit_train_batches=4",
-                                                      "trainer.limit_val_batches=0", "ckpt_every_n_steps=2", *more))
+        return cli.load_config(
+            llm.RECIPE,
+            _overrides(
+                folder,
+                tmp_path / out,
+                "trainer.limit_train_batches=4",
+                "trainer.limit_val_batches=0",
+                "ckpt_every_n_steps=2",
+                *more,
+            ),
+        )
 
     whole = _fit(config("whole"))
     with pytest.raises(_Stop):
@@ -157,8 +175,9 @@ def test_checkpoint_resume_and_merged_export(folder: Folder, tmp_path: Path) -> 
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     original = AutoModelForCausalLM.from_pretrained(folder.path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Review 3?"}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Review 3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         logits = trained(prompt["input_ids"])
         torch.testing.assert_close(exported(**prompt).logits, logits, rtol=1e-5, atol=1e-5)
@@ -168,8 +187,12 @@ def test_checkpoint_resume_and_merged_export(folder: Folder, tmp_path: Path) -> 
 
 
 def test_lora_with_tensor_parallelism_or_without_a_folder_is_refused(folder: Folder, tmp_path: Path) -> None:
-    cfg = cli.load_config(llm.RECIPE, _overrides(folder, tmp_path, "trainer.strategy=model_parallel",
-                                                 "trainer.devices=2", "model.tensor_parallel_size=2"))
+    cfg = cli.load_config(
+        llm.RECIPE,
+        _overrides(
+            folder, tmp_path, "trainer.strategy=model_parallel", "trainer.devices=2", "model.tensor_parallel_size=2"
+        ),
+    )
     with pytest.raises(ValueError, match="LoRA is not supported with tensor parallelism"):
         llm.RECIPE.build_model(cfg)
     cfg = cli.load_config(llm.RECIPE, [*LORA, f"out_dir={tmp_path}"])
@@ -184,15 +207,31 @@ def test_lora_under_zero1_on_two_devices_ends_like_one_device(folder: Folder, tm
     batches, so the gradients averaged over the ranks are one device's; ZeRO-1 keeps (and checkpoints) the adapters'
     state only. ZeRO-1 is the DDP strategy with the optimizer state sharded; plain DDP with LoRA runs on the stand-in
     (tests/standin/test_recipe_llm_lora_sharded.py), which keeps this slow XLA:CPU test to one 2-process run."""
-    common_args = [f"model.pretrained={folder.path}", f"data.source={folder.rows}", *STEP, *LORA, "model.lr=1.0e-2",
-                   "trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
+    common_args = [
+        f"model.pretrained={folder.path}",
+        f"data.source={folder.rows}",
+        *STEP,
+        *LORA,
+        "model.lr=1.0e-2",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+    ]
     metrics = ("train_loss", "val_loss")
     one = run("llm", tmp_path / "one", *common_args, env=child_env(), metrics=metrics)
     adapters = [name for name in one["ckpt"]["state_dict"] if ".lora_A." in name or ".lora_B." in name]
     assert len(set(one["metrics"]["train_loss"])) == 3
     strategy = "neuron_zero1"
-    two = run("llm", tmp_path / strategy, *common_args, f"trainer.strategy={strategy}", "trainer.devices=2",
-              "trainer.use_distributed_sampler=false", env=child_env(), metrics=metrics)
+    two = run(
+        "llm",
+        tmp_path / strategy,
+        *common_args,
+        f"trainer.strategy={strategy}",
+        "trainer.devices=2",
+        "trainer.use_distributed_sampler=false",
+        env=child_env(),
+        metrics=metrics,
+    )
     assert two["metrics"]["train_loss"] == pytest.approx(one["metrics"]["train_loss"], rel=1e-5, abs=1e-6)
     assert two["metrics"]["val_loss"] == pytest.approx(one["metrics"]["val_loss"], rel=1e-5, abs=1e-6)
     for name, value in one["ckpt"]["state_dict"].items():

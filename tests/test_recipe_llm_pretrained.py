@@ -21,17 +21,33 @@ from lightning_trn.recipes.llm import sft
 
 pytestmark = pytest.mark.both
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}<|eos|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}"
+)
 ROWS = [
-    {"prompt": f"Question {i}: how many films?", "response": f"Film number {i * 37} is good."} if i % 2 else
-    {"messages": [{"role": "user", "content": f"Review {i}?"}, {"role": "assistant", "content": f"Bad {i}."},
-                  {"role": "user", "content": "Again?"}, {"role": "assistant", "content": f"Good film {i * 3}."}]}
+    {"prompt": f"Question {i}: how many films?", "response": f"Film number {i * 37} is good."}
+    if i % 2
+    else {
+        "messages": [
+            {"role": "user", "content": f"Review {i}?"},
+            {"role": "assistant", "content": f"Bad {i}."},
+            {"role": "user", "content": "Again?"},
+            {"role": "assistant", "content": f"Good film {i * 3}."},
+        ]
+    }
     for i in range(40)
 ]
 #: one device, 32-token blocks, no warm-up (the first step takes the full learning rate), no evaluation
-STEP = ("data.seq_len=32", "data.batch_size=4", "model.warmup_steps=0", "model.lr=1.0e-3",
-        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1")
+STEP = (
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "model.warmup_steps=0",
+    "model.lr=1.0e-3",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "trainer.log_every_n_steps=1",
+)
 
 
 class Folder(NamedTuple):
@@ -48,10 +64,18 @@ def save_folder(root: Path) -> Folder:
     tokenizer = llm.train_tokenizer(texts, vocab_size=300)
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=36, intermediate_size=70, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=36,
+        intermediate_size=70,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     rows = root / "rows.jsonl"
@@ -84,8 +108,9 @@ def test_one_fine_tuning_step_equals_plain_transformers_and_torch(folder: Folder
     same step by hand on the CPU: Hugging Face's own shifted, masked loss from `from_pretrained`'s model."""
     from transformers import AutoModelForCausalLM
 
-    cfg = cli.load_config(llm.RECIPE, _overrides(folder, tmp_path / "run", "trainer.max_steps=1",
-                                                 "trainer.limit_val_batches=0"))
+    cfg = cli.load_config(
+        llm.RECIPE, _overrides(folder, tmp_path / "run", "trainer.max_steps=1", "trainer.limit_val_batches=0")
+    )
     data = llm.RECIPE.build_data(cfg)
     module = llm.RECIPE.build_model(cfg)
     trainer = common.build_trainer(cfg, llm.RECIPE)
@@ -97,8 +122,11 @@ def test_one_fine_tuning_step_equals_plain_transformers_and_torch(folder: Folder
     before = {name: p.detach().clone() for name, p in reference.named_parameters()}
     matrices = [p for p in reference.parameters() if p.ndim >= 2]
     vectors = [p for p in reference.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.model.weight_decay},
-                                   {"params": vectors, "weight_decay": 0.0}], lr=cfg.model.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": cfg.model.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+        lr=cfg.model.lr,
+        betas=(0.9, 0.95),
+    )
     loss = reference(input_ids=batch["input_ids"], labels=batch["labels"]).loss
     # AdamW's first step is blind to the loss's scale: the logged loss checks the normalization (response tokens)
     torch.testing.assert_close(trainer.callback_metrics["train_loss"].cpu(), loss.detach(), rtol=1e-5, atol=1e-6)
@@ -120,8 +148,16 @@ def test_fine_tune_export_generate_and_load_the_export(folder: Folder, tmp_path:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, results = cli.main(llm.RECIPE, _overrides(folder, tmp_path / "run", "trainer.max_steps=3",
-                                                 "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"))
+    _, results = cli.main(
+        llm.RECIPE,
+        _overrides(
+            folder,
+            tmp_path / "run",
+            "trainer.max_steps=3",
+            "trainer.limit_val_batches=1",
+            "trainer.limit_test_batches=1",
+        ),
+    )
     out = tmp_path / "export"
     cli.main(llm.RECIPE, ["export", f"ckpt={results['checkpoint']}", f"out={out}"])
 
@@ -133,13 +169,22 @@ def test_fine_tune_export_generate_and_load_the_export(folder: Folder, tmp_path:
     for name, value in exported.state_dict().items():
         torch.testing.assert_close(value, state[f"net.{name}"].cpu(), rtol=0, atol=0)
     assert not torch.equal(exported.model.embed_tokens.weight, original["model.embed_tokens.weight"])
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Review 3?"}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Review 3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     generated = exported.generate(**prompt, max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, prompt["input_ids"].shape[1] + 4)
 
-    cfg = cli.load_config(llm.RECIPE, [f"model.pretrained={out}", f"data.source={folder.rows}",
-                                       f"out_dir={tmp_path / 'again'}", *STEP, "trainer.limit_val_batches=1"])
+    cfg = cli.load_config(
+        llm.RECIPE,
+        [
+            f"model.pretrained={out}",
+            f"data.source={folder.rows}",
+            f"out_dir={tmp_path / 'again'}",
+            *STEP,
+            "trainer.limit_val_batches=1",
+        ],
+    )
     module = llm.RECIPE.build_model(cfg)
     common.build_trainer(cfg, llm.RECIPE).validate(module, datamodule=llm.RECIPE.build_data(cfg), verbose=False)
     for name, value in module.net.state_dict().items():

@@ -31,9 +31,18 @@ STEPS = 4
 LR = 1.0e-3
 #: float32 AdamW on a mean of 2 means vs one mean, after `STEPS` steps (as tests/test_recipe_llm_strategies.py)
 TOLERANCE = 1e-5
-COMMON = ("data.seq_len=32", f"model.lr={LR}", "model.warmup_steps=0", "trainer.max_epochs=1",
-          f"trainer.limit_train_batches={STEPS}", "trainer.limit_val_batches=2", "trainer.limit_test_batches=1",
-          "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false")
+COMMON = (
+    "data.seq_len=32",
+    f"model.lr={LR}",
+    "model.warmup_steps=0",
+    "trainer.max_epochs=1",
+    f"trainer.limit_train_batches={STEPS}",
+    "trainer.limit_val_batches=2",
+    "trainer.limit_test_batches=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +53,16 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Folder:
 @pytest.fixture(scope="module")
 def one_process(folder: Folder, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("one") / "run"
-    return run("llm", out, f"model.pretrained={folder.path}", *COMMON, "trainer.strategy=neuron_ddp",
-               "trainer.devices=1", "data.batch_size=8", env=child_env())
+    return run(
+        "llm",
+        out,
+        f"model.pretrained={folder.path}",
+        *COMMON,
+        "trainer.strategy=neuron_ddp",
+        "trainer.devices=1",
+        "data.batch_size=8",
+        env=child_env(),
+    )
 
 
 def test_the_reference_starts_from_the_folders_weights(folder: Folder, one_process: dict) -> None:
@@ -60,10 +77,17 @@ def test_the_reference_starts_from_the_folders_weights(folder: Folder, one_proce
 
 
 @pytest.mark.parametrize("strategy", ["neuron_ddp", "neuron_zero1"])
-def test_two_processes_end_like_one_process(folder: Folder, one_process: dict, tmp_path: Path,
-                                            strategy: str) -> None:
-    two = run("llm", tmp_path / "run", f"model.pretrained={folder.path}", *COMMON, f"trainer.strategy={strategy}",
-              "trainer.devices=2", "data.batch_size=4", env=child_env())
+def test_two_processes_end_like_one_process(folder: Folder, one_process: dict, tmp_path: Path, strategy: str) -> None:
+    two = run(
+        "llm",
+        tmp_path / "run",
+        f"model.pretrained={folder.path}",
+        *COMMON,
+        f"trainer.strategy={strategy}",
+        "trainer.devices=2",
+        "data.batch_size=4",
+        env=child_env(),
+    )
     assert two["ckpt"]["global_step"] == one_process["ckpt"]["global_step"] == STEPS
     assert two["ckpt"]["state_dict"].keys() == one_process["ckpt"]["state_dict"].keys()
     for name, value in one_process["ckpt"]["state_dict"].items():

@@ -39,10 +39,17 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["neuron_ddp", "neuron_zero1"])
-def test_two_processes_end_like_one_process_with_the_same_global_batch(tmp_path: Path, one_process: dict,
-                                                                        strategy: str) -> None:
-    two = run("llm", tmp_path / "run", *TINY, f"trainer.strategy={strategy}", "trainer.devices=2",
-              "data.batch_size=4", env=child_env())
+def test_two_processes_end_like_one_process_with_the_same_global_batch(
+    tmp_path: Path, one_process: dict, strategy: str
+) -> None:
+    two = run(
+        "llm",
+        tmp_path / "run",
+        *TINY,
+        f"trainer.strategy={strategy}",
+        "trainer.devices=2",
+        "data.batch_size=4",
+        env=child_env(),
+    )
     assert two["ckpt"]["global_step"] == 6
     assert_ends_alike(two, one_process, TOLERANCE)
-

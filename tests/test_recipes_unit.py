@@ -116,23 +116,26 @@ def test_config_overrides_and_unknown_keys():
         cli.load_config(MLP, ["data.batchsize=64"])
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("data.batch_size=abc", "data.batch_size='abc': expected an integer (default 32)"),
-    ("data.batch_size=0", "data.batch_size=0: expected a value greater than 0"),
-    ("data.batch_size=2.5", "data.batch_size=2.5: expected an integer"),
-    ("model.lr=fast", "model.lr='fast': expected a number (default 0.01)"),
-    ("model.lr=-1", "model.lr=-1: expected a value greater than 0"),
-    ("data.val_fraction=1.5", "data.val_fraction=1.5: expected a value in [0, 1)"),
-    ("model.hidden=[16,x]", "model.hidden=[16, 'x']: expected a list like [1, 2]"),
-    ("out_dir=[1]", "out_dir=[1]: expected a string"),
-    # omegaconf's typed merge, translated to one line
-    ("model.hidden=[1.5]", "model.hidden=[1.5]: expected a list like [1, 2] (default [120, 84])."),
-    ("model.hidden=16", "model.hidden=16: expected a list like [1, 2] (default [120, 84])."),
-    ("ops.throughput=maybe", "ops.throughput='maybe': expected true or false (default False)."),
-    ("seed=true", "seed=True: expected an integer (default 42)."),
-    ("ckpt_path=[a]", "ckpt_path=['a']: expected a string or null (default None)."),
-    ("model.lr=inf", "model.lr='inf': expected a number (default 0.01)."),
-])
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data.batch_size=abc", "data.batch_size='abc': expected an integer (default 32)"),
+        ("data.batch_size=0", "data.batch_size=0: expected a value greater than 0"),
+        ("data.batch_size=2.5", "data.batch_size=2.5: expected an integer"),
+        ("model.lr=fast", "model.lr='fast': expected a number (default 0.01)"),
+        ("model.lr=-1", "model.lr=-1: expected a value greater than 0"),
+        ("data.val_fraction=1.5", "data.val_fraction=1.5: expected a value in [0, 1)"),
+        ("model.hidden=[16,x]", "model.hidden=[16, 'x']: expected a list like [1, 2]"),
+        ("out_dir=[1]", "out_dir=[1]: expected a string"),
+        # omegaconf's typed merge, translated to one line
+        ("model.hidden=[1.5]", "model.hidden=[1.5]: expected a list like [1, 2] (default [120, 84])."),
+        ("model.hidden=16", "model.hidden=16: expected a list like [1, 2] (default [120, 84])."),
+        ("ops.throughput=maybe", "ops.throughput='maybe': expected true or false (default False)."),
+        ("seed=true", "seed=True: expected an integer (default 42)."),
+        ("ckpt_path=[a]", "ckpt_path=['a']: expected a string or null (default None)."),
+        ("model.lr=inf", "model.lr='inf': expected a number (default 0.01)."),
+    ],
+)
 def test_wrong_value_types_name_key_value_and_expectation(override, expected):
     with pytest.raises(ValueError, match=re.escape(f"recipes.mlp: Config key {expected}")):
         cli.load_config(MLP, [override])
@@ -216,8 +219,15 @@ def _tiny_bert(attn_implementation: str):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=16, attn_implementation=attn_implementation)
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        attn_implementation=attn_implementation,
+    )
     return BertForSequenceClassification(config).eval()
 
 
@@ -247,8 +257,8 @@ def test_bert_4d_attention_mask_does_not_read_the_device():
     """transformers checks a 2-D padding mask with `.all()` on the host; the recipe's 4-D mask is never read."""
     import torch_xla
 
-    from lightning_trn.runtime import get_runtime
     from lightning_trn.recipes.bert import encoder_attention_mask
+    from lightning_trn.runtime import get_runtime
 
     device = torch_xla.device()
     net = _tiny_bert("sdpa").to(device)

@@ -18,7 +18,7 @@ import lightning_trn  # noqa: F401  registers accelerator="neuron"
 pytestmark = pytest.mark.both
 
 BATCHES = 8
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
 
 
 class Failure(Exception):

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from models import RegressionModel, regression_loader
+from xla_free_python import run_without_torch_xla
 
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.runtime import get_runtime
-from models import RegressionModel, regression_loader
-from xla_free_python import run_without_torch_xla
 
 pytestmark = pytest.mark.xla_only
 
@@ -129,8 +129,9 @@ class EvaluatedModel(RegressionModel):
 
 
 def test_validate_test_predict_work_with_lightnings_default_inference_mode(tmp_path):
-    trainer = Trainer(accelerator="neuron", max_steps=4, val_check_interval=2, default_root_dir=tmp_path,
-                      enable_progress_bar=False)
+    trainer = Trainer(
+        accelerator="neuron", max_steps=4, val_check_interval=2, default_root_dir=tmp_path, enable_progress_bar=False
+    )
     assert trainer.validate_loop.inference_mode  # the Trainer default, which XLA tensors cannot run under
     model = EvaluatedModel()
     trainer.fit(model)
@@ -158,8 +159,14 @@ def _weights_after_seeded_fit(tmp_path, seed: int) -> torch.Tensor:
     model = DropoutModel()
     torch.manual_seed(0)  # same initial weights and data order: only the device RNG (dropout) depends on `seed`
     model.layer.reset_parameters()
-    trainer = Trainer(accelerator="neuron", max_steps=5, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=5,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(model, train_dataloaders=regression_loader(shuffle=False))
     return model.layer.weight.detach().cpu()
 

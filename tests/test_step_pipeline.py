@@ -9,9 +9,9 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from models import RegressionModel, regression_loader
 
 from lightning_trn.runtime import get_runtime
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.xla_only
 
@@ -52,13 +52,21 @@ class Snapshots(Callback):
         self.val.append(self.snapshot())
 
 
-def _fit(tmp_path, model: LightningModule, max_steps: int, callbacks: tuple = (), datamodule=None,
-         **trainer_kwargs) -> Trainer:
+def _fit(
+    tmp_path, model: LightningModule, max_steps: int, callbacks: tuple = (), datamodule=None, **trainer_kwargs
+) -> Trainer:
     """`Trainer(accelerator="neuron")` without logger, checkpoints or progress bar, fitted on `regression_loader()`
     (or on `datamodule`)."""
-    trainer = Trainer(accelerator="neuron", max_steps=max_steps, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, callbacks=list(callbacks),
-                      **trainer_kwargs)
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=max_steps,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=list(callbacks),
+        **trainer_kwargs,
+    )
     if datamodule is None:
         trainer.fit(model, train_dataloaders=regression_loader())
     else:
@@ -113,8 +121,9 @@ class EvaluatedModel(AccumulatingModel):
 
 def test_each_validation_step_is_its_own_graph(tmp_path, sync_calls):
     snapshots = Snapshots(sync_calls)
-    trainer = _fit(tmp_path, EvaluatedModel(), max_steps=1, callbacks=(snapshots,), limit_train_batches=1,
-                   num_sanity_val_steps=0)
+    trainer = _fit(
+        tmp_path, EvaluatedModel(), max_steps=1, callbacks=(snapshots,), limit_train_batches=1, num_sanity_val_steps=0
+    )
 
     assert len(snapshots.val) == STEPS_PER_EPOCH
     metrics, syncs = _between(snapshots.val, 2, STEPS_PER_EPOCH - 1)

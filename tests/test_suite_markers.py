@@ -22,8 +22,22 @@ THIS_SUITE, OTHER_SUITE = ("xla_only", "native_only")[:: 1 if importlib.util.fin
 
 def collect(directory: Path) -> subprocess.CompletedProcess:
     """`pytest --collect-only` of `directory` with this suite's conftest loaded as a plugin."""
-    command = [sys.executable, "-m", "pytest", "-p", "conftest", "--collect-only", "-q", "-p", "no:cacheprovider",
-               "-c", str(TESTS.parent / "pyproject.toml"), "--rootdir", str(directory), str(directory)]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "conftest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-c",
+        str(TESTS.parent / "pyproject.toml"),
+        "--rootdir",
+        str(directory),
+        str(directory),
+    ]
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join((str(TESTS), env["PYTHONPATH"]))  # `-p conftest` imports it from there
     return subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True, timeout=300)
@@ -47,11 +61,14 @@ def test_each_suite_collects_its_own_and_shared_modules_only(tmp_path: Path) -> 
         f"@pytest.mark.{THIS_SUITE}\ndef test_here():\n    pass\n\n"
         f"@pytest.mark.{OTHER_SUITE}\ndef test_there():\n    pass\n"
     )
-    (tmp_path / "test_mine.py").write_text(f"import pytest\n\npytestmark = pytest.mark.{THIS_SUITE}\n\n"
-                                          "def test_mine():\n    pass\n")
+    (tmp_path / "test_mine.py").write_text(
+        f"import pytest\n\npytestmark = pytest.mark.{THIS_SUITE}\n\ndef test_mine():\n    pass\n"
+    )
     # a module this environment cannot import: collecting it would be an error
-    (tmp_path / "test_theirs.py").write_text(f"import pytest\nimport no_such_module\n\n"
-                                            f"pytestmark = pytest.mark.{OTHER_SUITE}\n\ndef test_theirs():\n    pass\n")
+    (tmp_path / "test_theirs.py").write_text(
+        f"import pytest\nimport no_such_module\n\n"
+        f"pytestmark = pytest.mark.{OTHER_SUITE}\n\ndef test_theirs():\n    pass\n"
+    )
     result = collect(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     collected = {line for line in result.stdout.splitlines() if "::" in line}

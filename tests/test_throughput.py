@@ -1,5 +1,5 @@
-"""Throughput and MFU (docs/operations.md): Lightning's `ThroughputMonitor` on a Neuron run gets the NeuronCore's dense peak for
-the precision's compute dtype, adds no device read, and CPU runs keep Lightning's own answers."""
+"""Throughput and MFU (docs/operations.md): Lightning's `ThroughputMonitor` on a Neuron run gets the NeuronCore's dense
+peak for the precision's compute dtype, adds no device read, and CPU runs keep Lightning's own answers."""
 
 from __future__ import annotations
 
@@ -10,15 +10,14 @@ import pytest
 import torch
 from lightning.fabric.utilities import throughput as fabric_throughput
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback, ThroughputMonitor
-from lightning.pytorch.callbacks import throughput_monitor
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor, throughput_monitor
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from models import RegressionModel, regression_loader
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron" and the throughput hooks
 from lightning_trn.hooks.throughput import CHIP_ENV, PEAK_FLOPS, peak_flops
 from lightning_trn.runtime import discovery, get_runtime
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.both
 
@@ -37,8 +36,9 @@ def test_peaks_per_device_count_logical_cores(monkeypatch: pytest.MonkeyPatch):
         peak_flops("trn9", torch.bfloat16)
 
 
-@pytest.mark.parametrize(("name", "chip"), [("Trainium1", "trn1"), ("Trainium2", "trn2"), ("Trainium3", "trn3"),
-                                            ("Inferentia2", None)])
+@pytest.mark.parametrize(
+    ("name", "chip"), [("Trainium1", "trn1"), ("Trainium2", "trn2"), ("Trainium3", "trn3"), ("Inferentia2", None)]
+)
 def test_chip_is_read_from_the_driver_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name, chip):
     path = tmp_path / "device_name"
     path.write_text(f"{name}\n")
@@ -61,8 +61,12 @@ def test_other_devices_and_plugins_get_lightnings_answers(monkeypatch: pytest.Mo
         assert available_flops(device, torch.bfloat16) == 123
     plugin = MixedPrecision("bf16-mixed", "cpu")
     assert compute_dtype(plugin) is torch.int8
-    assert asked == [(torch.device("cpu"), torch.bfloat16), (torch.device("cuda", 1), torch.bfloat16),
-                     (torch.device("mps"), torch.bfloat16), plugin]
+    assert asked == [
+        (torch.device("cpu"), torch.bfloat16),
+        (torch.device("cuda", 1), torch.bfloat16),
+        (torch.device("mps"), torch.bfloat16),
+        plugin,
+    ]
     assert get_runtime.cache_info().currsize == 0  # no backend was chosen for them
 
 
@@ -100,11 +104,21 @@ class Transfers(Callback):
 
 def _fit(tmp_path: Path, precision: str, monitor: bool) -> tuple[Recorder, Transfers]:
     logger, transfers = Recorder(), Transfers()
-    callbacks = [transfers] + ([ThroughputMonitor(batch_size_fn=lambda b: len(b[0]), window_size=WINDOW)]
-                               if monitor else [])
-    trainer = Trainer(accelerator="neuron", devices=1, precision=precision, max_steps=STEPS, log_every_n_steps=1,
-                      logger=logger, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-                      default_root_dir=tmp_path)
+    callbacks = [transfers] + (
+        [ThroughputMonitor(batch_size_fn=lambda b: len(b[0]), window_size=WINDOW)] if monitor else []
+    )
+    trainer = Trainer(
+        accelerator="neuron",
+        devices=1,
+        precision=precision,
+        max_steps=STEPS,
+        log_every_n_steps=1,
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(Flops(), regression_loader(n=16 * STEPS))
     return logger, transfers
 
@@ -116,8 +130,7 @@ def test_mfu_against_the_chips_peak_without_device_reads(tmp_path, monkeypatch, 
     rows = [row for row in logger.rows if "train/device/mfu" in row]
     assert len(rows) == STEPS - WINDOW + 1
     for row in rows:
-        assert row["train/device/flops_per_sec"] == pytest.approx(
-            FLOPS_PER_BATCH * row["train/device/batches_per_sec"])
+        assert row["train/device/flops_per_sec"] == pytest.approx(FLOPS_PER_BATCH * row["train/device/batches_per_sec"])
         assert row["train/device/mfu"] == pytest.approx(row["train/device/flops_per_sec"] / PEAK_FLOPS["trn1"][dtype])
     _, unmonitored = _fit(tmp_path / "plain", precision, monitor=False)
     assert transfers.total == unmonitored.total
@@ -155,9 +168,13 @@ def test_tensor_parallel_groups_count_once(monkeypatch):
         module._device_mesh = mesh
         assert tensor_parallel_size(module) == 2 and tensor_parallel_size(Flops()) == 1
         # what `ThroughputMonitor.setup` reads of a Trainer
-        trainer = SimpleNamespace(precision_plugin=MixedPrecision("bf16-mixed", "cpu"), enable_validation=True,
-                                  strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=8,
-                                  state=SimpleNamespace(stage=RunningStage.TRAINING))
+        trainer = SimpleNamespace(
+            precision_plugin=MixedPrecision("bf16-mixed", "cpu"),
+            enable_validation=True,
+            strategy=SimpleNamespace(root_device=torch.device("cpu")),
+            world_size=8,
+            state=SimpleNamespace(stage=RunningStage.TRAINING),
+        )
         monitor = ThroughputMonitor(batch_size_fn=len, window_size=2)
         monitor.setup(trainer, module, "fit")
         training = monitor._throughputs[RunningStage.TRAINING]

@@ -57,8 +57,15 @@ def run(accelerator: str) -> tuple[TiedLM, list[float]]:
     """Two fits, then validate, test and predict; the tie is checked after each."""
     seed_everything(3)
     model = TiedLM()
-    trainer_args = dict(accelerator=accelerator, devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer_args = {
+        "accelerator": accelerator,
+        "devices": 1,
+        "max_epochs": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
     losses = []
     for stage in ("fit", "fit", "validate", "test", "predict"):
         trainer = Trainer(**trainer_args)
@@ -67,7 +74,9 @@ def run(accelerator: str) -> tuple[TiedLM, list[float]]:
         elif stage == "predict":
             losses.append(float(sum(trainer.predict(model, loader()))))
         else:
-            losses.append(getattr(trainer, stage)(model, loader())[0][f"{'val' if stage == 'validate' else 'test'}_loss"])
+            losses.append(
+                getattr(trainer, stage)(model, loader())[0][f"{'val' if stage == 'validate' else 'test'}_loss"]
+            )
         assert model.head.weight is model.embed.weight, f"untied after {stage}"
         assert model.embed.weight.device.type == "cpu"
     return model, losses
@@ -77,5 +86,5 @@ def test_ties_hold_and_train_like_lightning_on_cpu():
     neuron_model, neuron_losses = run("neuron")
     cpu_model, cpu_losses = run("cpu")
     assert neuron_losses == pytest.approx(cpu_losses, rel=1e-5)
-    for (name, mine), theirs in zip(neuron_model.state_dict().items(), cpu_model.state_dict().values()):
+    for (name, mine), theirs in zip(neuron_model.state_dict().items(), cpu_model.state_dict().values(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=name)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from models import RegressionModel, regression_loader
 from torch import nn
 
 import lightning_trn
 from lightning_trn.runtime import get_runtime
-from models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.both
 
@@ -27,8 +27,15 @@ class CompiledRegression(RegressionModel):
 
 
 def _fit(model: RegressionModel, tmp_path, batch_size: int = 16) -> Trainer:
-    trainer = Trainer(accelerator="neuron", max_steps=6, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="neuron",
+        max_steps=6,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, regression_loader(n=96, batch_size=batch_size, shuffle=False))
     return trainer
 

@@ -111,9 +111,14 @@ def test_two_processes_with_sharded_state_end_like_one_process(reference: Path, 
 
 @pytest.mark.slow
 # one direction per suite (CI time): the state-dict hooks that re-shard are host code shared by both backends
-@pytest.mark.parametrize("direction", [pytest.param("2->1", marks=pytest.mark.xla_only),
-                                       pytest.param("1->2", marks=pytest.mark.native_only),
-                                       pytest.param("2->2", marks=pytest.mark.native_only)])
+@pytest.mark.parametrize(
+    "direction",
+    [
+        pytest.param("2->1", marks=pytest.mark.xla_only),
+        pytest.param("1->2", marks=pytest.mark.native_only),
+        pytest.param("2->2", marks=pytest.mark.native_only),
+    ],
+)
 def test_resume_on_another_world_size_ends_like_the_uninterrupted_run(
     tmp_path: Path, reference: Path, sharded: Path, direction: str
 ) -> None:
@@ -197,7 +202,7 @@ def test_bf16_parameters_keep_fp32_masters_that_checkpoints_carry(one_rank_group
     restored_model.load_state_dict(model.state_dict())
     restored = torch.optim.Adam(restored_model.parameters(), lr=1e-3)
     _shard(restored).optimizer.load_state_dict(saved)
-    for master, shard in zip(masters, (p for group in restored.param_groups for p in group["params"])):
+    for master, shard in zip(masters, (p for group in restored.param_groups for p in group["params"]), strict=True):
         torch.testing.assert_close(shard.detach().cpu(), master, atol=0, rtol=0)
     torch.testing.assert_close(restored.state_dict()["state"][0][MASTER_WEIGHT], masters[0].view(3, 5), atol=0, rtol=0)
 
@@ -221,7 +226,7 @@ def test_sharding_an_optimizer_that_stepped_keeps_its_state(one_rank_group: None
     _step(model, sharding)
     twin(_ones()).square().mean().backward()
     plain.step()
-    for mine, theirs in zip(model.parameters(), twin.parameters()):
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-7, rtol=0)
     for index, state in plain.state_dict()["state"].items():
         for key, value in state.items():
@@ -242,7 +247,7 @@ def test_clipping_uses_the_norm_of_all_chunks(one_rank_group: None) -> None:
     expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
     torch.testing.assert_close(norm, expected)
     clipped = [p.grad for group in sharding.optimizer.param_groups for p in group["params"]]
-    for mine, theirs in zip(clipped, twin.parameters()):
+    for mine, theirs in zip(clipped, twin.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs.grad.reshape(-1), atol=1e-7, rtol=0)
 
 
@@ -275,7 +280,7 @@ def test_on_neuron_the_step_is_one_graph_with_xla_collectives() -> None:
     twin(_ones()).square().mean().backward()
     torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
     plain.step()
-    for mine, theirs in zip(model.parameters(), twin.parameters()):
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(mine.cpu(), theirs.cpu(), atol=1e-7, rtol=0)
 
 
@@ -315,13 +320,31 @@ def _memory_run(world_size: int, out: Path, *load: Path) -> list[dict]:
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     port = str(find_free_network_port())
-    command = [sys.executable, str(MEMORY_SCRIPT), "--out", str(out), "--numel", str(MEMORY_NUMEL), "--load",
-               *map(str, load)]
+    command = [
+        sys.executable,
+        str(MEMORY_SCRIPT),
+        "--out",
+        str(out),
+        "--numel",
+        str(MEMORY_NUMEL),
+        "--load",
+        *map(str, load),
+    ]
     children = [
-        subprocess.Popen(command, env=child_env(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=port,
-                                                MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536",
-                                                OMP_NUM_THREADS="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            command,
+            env=child_env(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_PORT=port,
+                MALLOC_MMAP_THRESHOLD_="65536",
+                MALLOC_TRIM_THRESHOLD_="65536",
+                OMP_NUM_THREADS="1",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in range(world_size)
     ]
     records = []
@@ -398,13 +421,17 @@ def test_lion_is_sharded_by_its_class_name() -> None:
     assert sharding_of(_shard(lion(torch.nn.Linear(5, 3).parameters(), lr=0.1)).optimizer) is not None
 
 
-@pytest.mark.parametrize("make", [
-    lambda params: torch.optim.LBFGS(params),
-    lambda params: torch.optim.SparseAdam(params),
-    lambda params: _PerTensorNorm(params),
-    # a subclass may override `step`: not trusted because its base is
-    lambda params: type("MyAdam", (torch.optim.Adam,), {})(params),
-], ids=["LBFGS", "SparseAdam", "per-tensor-norm", "Adam-subclass"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: torch.optim.LBFGS(params),
+        lambda params: torch.optim.SparseAdam(params),
+        lambda params: _PerTensorNorm(params),
+        # a subclass may override `step`: not trusted because its base is
+        lambda params: type("MyAdam", (torch.optim.Adam,), {})(params),
+    ],
+    ids=["LBFGS", "SparseAdam", "per-tensor-norm", "Adam-subclass"],
+)
 def test_other_optimizers_are_refused_with_the_opt_in_named(make) -> None:  # type: ignore[no-untyped-def]
     optimizer = make(torch.nn.Linear(5, 3).parameters())
     with pytest.raises(ValueError, match=r"ZeRO-1 does not shard .*allow_zero1_optimizer\(") as error:

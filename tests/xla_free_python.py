@@ -34,11 +34,7 @@ def _xla_free_site(tmp_dir: Path) -> Path:
 def run_without_torch_xla(code: str, tmp_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `code` in a child interpreter without torch_xla; the project root is importable and the cwd."""
     site = _xla_free_site(tmp_dir)
-    prelude = (
-        "import site, sys\n"
-        f"site.addsitedir({str(site)!r})\n"
-        f"sys.path.insert(0, {str(PROJECT_ROOT)!r})\n"
-    )
+    prelude = f"import site, sys\nsite.addsitedir({str(site)!r})\nsys.path.insert(0, {str(PROJECT_ROOT)!r})\n"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "NEURON_"))}
     return subprocess.run(
         [sys.executable, "-S", "-c", prelude + textwrap.dedent(code)],

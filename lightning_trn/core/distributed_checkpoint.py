@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from typing_extensions import override
 
 from lightning_trn.core.checkpoint_file import atomic_local_save, stash_loader_states
 
@@ -69,6 +70,7 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
+    @override
     def load_bytes(self, read_item: Any, value: Any) -> None:
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
@@ -82,6 +84,7 @@ class _MetadataOnceReader(FileSystemReader):
         super().__init__(path)
         self._metadata: Metadata | None = None
 
+    @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             self._metadata = super().read_metadata(*args, **kwargs)

@@ -9,9 +9,7 @@ process, the default group is the runtime's `neuron` backend and host objects go
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_trn.core.safetensors_blocks import file_shapes, listed, local_block, read_into, weight_files
 from lightning_trn.runtime import DeviceRuntime
 
 #: the arguments of Lightning's `ModelParallelStrategy` (Trainer and Fabric) and the attributes that hold them
@@ -56,19 +55,6 @@ def lightning_model_parallel_arguments(strategy: Any) -> dict[str, Any]:
     if hasattr(strategy, "_parallelize_fn"):
         arguments["parallelize_fn"] = strategy._parallelize_fn
     return arguments
-
-
-def local_block(shape: torch.Size, like: Tensor) -> tuple[slice, ...]:
-    """The block of a tensor of global `shape` that `like` holds on this rank, one slice per dimension: a DTensor's
-    local shard is the block `compute_local_shape_and_global_offset` gives (the blocks DCP saves and loads),
-    anything else holds all of it."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(like, DTensor):
-        return tuple(slice(0, size) for size in shape)
-    local_shape, offset = compute_local_shape_and_global_offset(shape, like.device_mesh, like.placements)
-    return tuple(slice(start, start + size) for size, start in zip(local_shape, offset, strict=True))
 
 
 def _local_part(full: Tensor, like: Tensor) -> Tensor:
@@ -130,6 +116,10 @@ def _run_on_host(submodule: Module, init: Callable[[Module], None]) -> dict[str,
         for name, tensor in own.items():
             _set_own_tensor(submodule, name, tensor)
 
+
+#: the file a seed checkpoint directory holds (`write_seed_checkpoint`): every tensor stored whole, by module name,
+#: named as a `save_pretrained` folder's single file
+SEED_FILE = "model.safetensors"
 
 #: a host-built module's values by submodule and name, taken by `host_values_to_meta` for `materialize`
 HostValues = dict[Module, dict[str, Tensor]]
@@ -219,60 +209,86 @@ def host_values_to_meta(module: Module) -> HostValues:
     return values
 
 
+#: name segments that wrappers insert and `state_dict()` hides (activation checkpointing, `torch.compile`)
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's or buffer's name without the segments wrappers insert: the name `state_dict()` gives it."""
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
 def _state_to_seed(module: Module) -> dict[str, Tensor]:
-    """What a seed checkpoint holds: every parameter and buffer by name, non-persistent buffers included (they are
-    not in `state_dict()`, and a meta-built module has no values for them either)."""
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    """What a seed checkpoint holds: every parameter and buffer by name without wrappers' segments (activation
+    checkpointing may wrap blocks after the checkpoint was written), non-persistent buffers included (they are not
+    in `state_dict()`, and a meta-built module has no values for them either)."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return {_unwrapped_name(name): tensor for name, tensor in tensors}
 
 
 def write_seed_checkpoint(module_factory: Callable[[], Module], path: _PATH) -> Path:
-    """Build the model once, in this process, and write its initial parameters and buffers as a
-    torch.distributed.checkpoint directory at `path`, for `materialize(..., seed_checkpoint=path)` (the strategies'
+    """Build the model once, in this process, and write its initial parameters and buffers into the directory
+    `path`, as one safetensors file (`SEED_FILE`), for `materialize(..., seed_checkpoint=path)` (the strategies'
     `seed_checkpoint=path`): then no rank draws full-size tensors on its host at setup, each reads its shards.
 
     `module_factory()` returns the module the strategy gets (the LightningModule for the Trainer, the model for
     `fabric.setup`), seeded as the training script seeds it; built on the meta device it is materialized here on the
     host first. Run it in one process, before training (as TorchTitan's `create_seed_checkpoint`). Returns the
     directory."""
-    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
 
     module = module_factory()
     materialize(module, torch.device("cpu"))
-    state = {name: tensor.detach() for name, tensor in _state_to_seed(module).items()}
-    with _one_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
-    return Path(path)
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().contiguous() for name, tensor in _state_to_seed(module).items()}
+    save_file(state, directory / SEED_FILE)
+    return directory
 
 
 def load_seed_checkpoint(module: Module, path: _PATH) -> None:
-    """Read `module`'s parameters and buffers (DTensors: this rank's shards only) from a `write_seed_checkpoint`
-    directory, in place, on every rank independently (no collective).
+    """Read `module`'s parameters and buffers from a `write_seed_checkpoint` directory, in place, on every rank
+    independently (no collective). Each rank reads only the block of each tensor it holds (a DTensor's local shard,
+    all of a plain tensor) through safetensors' slicing, one tensor at a time (`safetensors_blocks.read_into`): a
+    tensor is stored whole, and a reader that loads whole stored tensors (torch.distributed.checkpoint's) would read
+    the whole model on every rank.
 
     Raises:
-        ValueError: the directory lacks some of the module's tensors (written from another module).
+        FileNotFoundError: the directory has no `SEED_FILE`.
+        ValueError: the file lacks some of the module's tensors, or holds them in other shapes (written from
+            another module).
     """
-    import torch.distributed.checkpoint as dcp
-
-    state = {name: tensor.detach() for name, tensor in _state_to_seed(module).items()}
-    reader = dcp.FileSystemReader(path)
-    missing = sorted(set(state) - set(reader.read_metadata().state_dict_metadata))
+    file = Path(path) / SEED_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"The seed checkpoint {str(path)!r} has no {SEED_FILE}: write it with `write_seed_checkpoint` (one "
+            "written by an earlier lightning_trn, a torch.distributed.checkpoint directory, must be written again)."
+        )
+    state = _state_to_seed(module)
+    shapes = file_shapes(weight_files(Path(path)))
+    missing = sorted(set(state) - set(shapes))
+    mismatched = [
+        f"{name} {shapes[name]} vs {list(tensor.shape)}"
+        for name, tensor in state.items()
+        if name in shapes and list(tensor.shape) != shapes[name]
+    ]
+    problems = []
     if missing:
+        counted = f"{len(missing)} of the module's {len(state)} parameters and buffers"
+        problems.append(f"it has no {listed(missing)} ({counted})")
+    if mismatched:
+        problems.append(f"shapes stored vs the module's: {listed(mismatched)}")
+    if problems:
         raise ValueError(
-            f"The seed checkpoint {str(path)!r} has no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
-            f"({len(missing)} of the module's {len(state)} parameters and buffers). Write it with "
+            f"The seed checkpoint {str(path)!r} does not fit the module: {'; '.join(problems)}. Write it with "
             "`write_seed_checkpoint` from a factory that builds the module the strategy gets: the LightningModule "
             "for the Trainer, the model passed to `fabric.setup` for Fabric."
         )
-    with _one_process():
-        dcp.load(state, storage_reader=reader, no_dist=True)
-
-
-@contextmanager
-def _one_process() -> Iterator[None]:
-    """Quiet torch.distributed.checkpoint's warning that it runs without collectives: here that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    with torch.no_grad():
+        for name, tensor in state.items():
+            read_into(tensor, file, name)
 
 
 def broadcast_replicated(module: Module, device: torch.device) -> None:

@@ -3,7 +3,7 @@
 `load_pretrained(module, path)` fills a model built on the meta device or on the host and then parallelized (FSDP2
 `fully_shard`, DTensor tensor parallelism, both; or plain tensors: single device, DDP, ZeRO-1) from the folder's
 safetensors files. Each rank reads only the block of each tensor it keeps (`safe_open(...).get_slice(key)[block]`,
-the block DCP would give it, `lightning_trn.core.model_parallel.local_block`), one tensor at a time, each file opened
+the block DCP would give it, `core.safetensors_blocks.local_block`), one tensor at a time, each file opened
 for that tensor only: a rank's host holds its shards (on the stand-in device they are host memory too) plus one
 tensor's block, never the model. Called from `configure_model` (Trainer) or a Fabric `parallelize_fn` after
 parallelizing, it gives meta tensors their storage itself, so the strategy's `materialize` finds nothing left to draw.
@@ -11,7 +11,6 @@ parallelizing, it gives meta tensors their storage itself, so the strategy's `ma
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -21,14 +20,18 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_trn.core.model_parallel import _copy_shards, _own_tensors, _run_on_host, empty_meta_tensors, local_block
+from lightning_trn.core.model_parallel import (
+    _copy_shards,
+    _own_tensors,
+    _run_on_host,
+    _unwrapped_name,
+    empty_meta_tensors,
+)
+from lightning_trn.core.safetensors_blocks import file_shapes, listed, read_into, weight_files
 
 #: `config.json` `model_type`s whose `AutoModelForCausalLM` layout (names and shapes) is the Llama one this loader
 #: is tested on
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-#: name segments that wrappers insert and `state_dict()` hides (activation checkpointing, `torch.compile`)
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-_SHOWN = 5
 
 
 def meta_model_from_pretrained(path: str | Path, **from_config_kwargs: Any) -> Module:
@@ -81,14 +84,12 @@ def load_pretrained(
             listed), or meta tensors with no `device` to put them on.
         FileNotFoundError: the folder has no safetensors weights.
     """
-    from torch.distributed.tensor import DTensor
-
     groups = _tensor_groups(module)
     if _fake_mode_active():
         _give_storage(module, groups, device)
         return module
-    files = _weight_files(Path(path))
-    shapes = _file_shapes(files)
+    files = weight_files(Path(path))
+    shapes = file_shapes(files)
     names = {name for group in groups for name in group[0]}
     prefix = _find_prefix(names, set(shapes)) if prefix is None else prefix
     sources = _match(groups, shapes, prefix, path)
@@ -96,48 +97,8 @@ def load_pretrained(
     with torch.no_grad():
         for (_, slots), key in zip(groups, sources, strict=True):
             submodule, attribute = slots[0]
-            tensor = _own_tensors(submodule)[attribute]
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            local.copy_(read_block(files[key], key, local_block(torch.Size(shapes[key]), tensor)))
+            read_into(_own_tensors(submodule)[attribute], files[key], key)
     return module
-
-
-def read_block(file: Path, key: str, block: tuple[slice, ...]) -> Tensor:
-    """The `block` of tensor `key` in the safetensors `file`, read alone: the file is mapped for this read only, so
-    no more of it stays resident than the block."""
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as handle:
-        return handle.get_slice(key)[block] if block else handle.get_tensor(key)
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Each tensor name of the folder's weights and the file holding it."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return {key: path / file for key, file in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as handle:
-            return dict.fromkeys(handle.keys(), single)
-    raise FileNotFoundError(
-        f"{str(path)!r} has neither model.safetensors nor model.safetensors.index.json: save the model with "
-        "`save_pretrained(path, safe_serialization=True)`."
-    )
-
-
-def _file_shapes(files: dict[str, Path]) -> dict[str, list[int]]:
-    """The shape of every tensor, from the files' headers (nothing else is read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for file in sorted(set(files.values())):
-        with safe_open(file, framework="pt") as handle:
-            keys = handle.keys()  # a list: the handle itself is not iterable
-            shapes.update({key: handle.get_slice(key).get_shape() for key in keys if files.get(key) == file})
-    return shapes
 
 
 #: a tensor's names in the module (wrapper segments removed) and the (submodule, attribute) slots that hold it
@@ -151,9 +112,7 @@ def _slots(module: Module) -> list[tuple[str, tuple[Module, str], Tensor]]:
         for attribute, tensor in _own_tensors(submodule).items():
             if attribute in submodule._non_persistent_buffers_set:
                 continue
-            name = f"{module_name}.{attribute}" if module_name else attribute
-            for segment in _WRAPPER_SEGMENTS:
-                name = name.replace(segment, "")
+            name = _unwrapped_name(f"{module_name}.{attribute}" if module_name else attribute)
             slots.append((name, (submodule, attribute), tensor))
     return slots
 
@@ -181,10 +140,6 @@ def _find_prefix(names: set[str], keys: set[str]) -> str:
     return max(counts, key=lambda prefix: (counts[prefix], -len(prefix))) if counts else ""
 
 
-def _listed(items: list[str]) -> str:
-    return ", ".join(items[:_SHOWN]) + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
-
-
 def _match(groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path: Any) -> list[str]:
     """The file key each group loads from.
 
@@ -205,7 +160,7 @@ def _match(groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path
         sources.append(keys[0])
     unexpected = sorted(set(shapes) - used)
     problems = [
-        f"{what} ({len(items)}): {_listed(items)}"
+        f"{what} ({len(items)}): {listed(items)}"
         for what, items in (
             ("missing from the files", missing),
             ("in the files but not in the module", unexpected),

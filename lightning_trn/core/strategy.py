@@ -35,6 +35,7 @@ from lightning_trn.core.random_state import (
 )
 from lightning_trn.core.scalars import place_scalars
 from lightning_trn.core.sharded_save import staged_directory
+from lightning_trn.core.shared_storage import check_shared_directory
 from lightning_trn.runtime import DeviceRuntime, get_runtime
 from lightning_trn.runtime.collectives import Collectives
 
@@ -126,6 +127,8 @@ class NeuronStrategyCore(_LightningStrategy):
         self._deliveries: deque = deque(maxlen=_RECENT_DELIVERIES)
         #: the run's base device seed; training batch i draws from `step_seed(_device_seed, i)`
         self._device_seed = 0
+        #: directories every rank was found to share (`_check_shared_directory`)
+        self._shared_directories: set[str] = set()
 
     @property
     def runtime(self) -> DeviceRuntime:
@@ -370,10 +373,23 @@ class NeuronStrategyCore(_LightningStrategy):
         """Whether checkpoints are directories every rank writes part of."""
         return False
 
+    def _check_shared_directory(self, directory: Any) -> None:
+        """Refuse a sharded checkpoint directory that not every rank shares (`lightning_trn.core.shared_storage`):
+        probed once per directory, on every rank together, when several ranks write sharded checkpoints into it."""
+        directory = os.fspath(directory)
+        if not self._saves_sharded() or self.world_size <= 1 or "://" in directory:
+            return
+        directory = os.path.abspath(directory)
+        if directory not in self._shared_directories:
+            check_shared_directory(directory, self.global_rank, self._gather_objects)
+            self._shared_directories.add(directory)
+
     def _save_destination(self, path: Any) -> AbstractContextManager[Any]:
         """Where this rank saves a checkpoint for `path`: `path` itself; for a sharded checkpoint a staging directory
-        that replaces `path` atomically once every rank is done (`lightning_trn.core.sharded_save`)."""
+        that replaces `path` atomically once every rank is done (`lightning_trn.core.sharded_save`), in a directory
+        every rank was found to share."""
         if self._saves_sharded():
+            self._check_shared_directory(os.path.dirname(os.fspath(path)))
             return staged_directory(path, self.global_rank, self.barrier)
         return nullcontext(path)
 

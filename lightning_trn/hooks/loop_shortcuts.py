@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.loops import evaluation_loop, fit_loop, prediction_loop, training_epoch_loop
 from lightning.pytorch.loops.optimization.automatic import ClosureResult, _AutomaticOptimization
 from lightning.pytorch.profilers import PassThroughProfiler
+from typing_extensions import override
 
 from lightning_trn.hooks.contract import contract_of
 
@@ -118,6 +119,7 @@ class _NullContextProfiler(PassThroughProfiler):
     """Lightning's default profiler without the cost: records nothing, and `profile()` allocates nothing."""
 
     # Lightning annotates `profile` as its base's `@contextmanager` function; callers only enter the context
+    @override
     def profile(self, action_name: str) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]  # see above
         return _NULL_CONTEXT
 
@@ -126,6 +128,7 @@ class _UnscaledClosureResult(ClosureResult):
     """`ClosureResult` that leaves the loss as `training_step` returned it when there is nothing to accumulate."""
 
     @classmethod
+    @override
     def from_training_step_output(cls, training_step_output: Any, normalize: int = 1) -> ClosureResult:
         if normalize == 1:
             if isinstance(training_step_output, torch.Tensor):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from typing_extensions import override
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
@@ -29,10 +30,12 @@ class TextClassifier(ClassifierModule):
         self.net = AutoModelForSequenceClassification.from_pretrained(resolve_model(name), num_labels=num_labels)
         self.net.train()  # from_pretrained returns eval mode (no dropout); Lightning 2.6 keeps submodule modes
 
+    @override
     def logits(self, batch: Batch) -> torch.Tensor:
         mask = encoder_attention_mask(batch["attention_mask"], self.net.config._attn_implementation, self.net.dtype)
         return self.net(input_ids=batch["input_ids"], attention_mask=mask).logits
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
+from typing_extensions import override
 
 from lightning_trn.recipes.metrics import MaskedAccuracy
 
@@ -48,6 +49,7 @@ class ClassifierModule(pl.LightningModule):
         self.log(f"{stage}_acc", metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size)
         return loss
 
+    @override
     def setup(self, stage: str) -> None:
         """With a `ThroughputMonitor`, count the FLOPs of one training batch (forward and backward of the logits) on
         a meta-device copy, without running the model: the monitor turns them into TFLOPS and MFU. Here, not before
@@ -68,11 +70,14 @@ class ClassifierModule(pl.LightningModule):
         meta_batch = {key: torch.empty_like(value, device="meta") for key, value in batch.items()}
         self.flops_per_batch = measure_flops(meta, lambda: meta.logits(meta_batch), lambda logits: logits.sum())
 
+    @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
 
+    @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "val")
 
+    @override
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "test")

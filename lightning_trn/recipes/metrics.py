@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torchmetrics import Metric
+from typing_extensions import override
 
 
 class MaskedAccuracy(Metric):
@@ -24,11 +25,13 @@ class MaskedAccuracy(Metric):
         self.add_state("correct", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
+    @override
     def update(self, preds: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> None:
         """Add a batch of predicted class ids, targets and per-row weights (1 = real row, 0 = padding)."""
         weight = weight.to(self.correct.dtype)
         self.correct += ((preds == target).to(weight.dtype) * weight).sum()
         self.total += weight.sum()
 
+    @override
     def compute(self) -> torch.Tensor:
         return self.correct / self.total.clamp_min(1.0)

@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch import nn
+from typing_extensions import override
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
@@ -29,9 +30,11 @@ class MnistMLP(ClassifierModule):
             layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
         self.net = nn.Sequential(*layers, nn.Linear(widths[-1], classes))
 
+    @override
     def logits(self, batch: Batch) -> torch.Tensor:
         return self.net(batch["x"].flatten(1))
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"])
 

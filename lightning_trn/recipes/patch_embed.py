@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 #: state-dict key of the patch projection weight in timm's VisionTransformer
 PATCH_WEIGHT = "patch_embed.proj.weight"
@@ -29,6 +30,7 @@ class LinearPatchEmbed(nn.Module):
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = nn.Linear(in_chans * patch_size * patch_size, embed_dim)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, channels, height, width = x.shape
         if (height, width) != self.img_size:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 Tensors = dict[str, torch.Tensor]
 
@@ -65,11 +66,14 @@ class TensorDataModule(pl.LightningDataModule):
             generator=generator,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", shuffle=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", shuffle=False)

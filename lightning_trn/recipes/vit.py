@@ -14,6 +14,7 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
+from typing_extensions import override
 
 from lightning_trn.recipes.classifier import Batch, ClassifierModule
 from lightning_trn.recipes.cli import main
@@ -50,10 +51,12 @@ class MnistViT(ClassifierModule):
         """Keyword arguments that rebuild the same network as a standard (conv patch embedding) timm ViT."""
         return {name: self.hparams[name] for name in ARCHITECTURE}
 
+    @override
     def logits(self, batch: Batch) -> torch.Tensor:
         size, chans = self.hparams["img_size"], self.hparams["in_chans"]
         return self.net(batch["x"].reshape(-1, chans, size, size))
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
 

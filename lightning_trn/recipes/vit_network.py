@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 from lightning_trn.recipes.patch_embed import LinearPatchEmbed
 
@@ -29,6 +30,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, dim = x.shape
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads).permute(2, 0, 3, 1, 4)
@@ -46,6 +48,7 @@ class Mlp(nn.Module):
         self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden, dim)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
@@ -60,6 +63,7 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=_EPS)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
@@ -98,6 +102,7 @@ class VisionTransformer(nn.Module):
                 nn.init.trunc_normal_(module.weight, std=0.02)
                 nn.init.zeros_(module.bias)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed

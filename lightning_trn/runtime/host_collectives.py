@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from typing_extensions import override
 
 from lightning_trn.runtime.collectives import BUCKET_BYTES, Collectives, buckets, reduce_op_name
 
@@ -37,6 +38,7 @@ class HostCollectives(Collectives):
             for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 tensor.copy_(value)
 
+    @override
     def reduce_gradients(self, gradients: list[torch.Tensor]) -> None:
         def average(flat: torch.Tensor) -> None:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
@@ -45,6 +47,7 @@ class HostCollectives(Collectives):
         with torch.no_grad():
             self._in_place(gradients, average)
 
+    @override
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         name = reduce_op_name(op)
         host = self._stage(tensor.detach()).clone()
@@ -53,12 +56,14 @@ class HostCollectives(Collectives):
             host = host / self.world_size if host.is_floating_point() else host.float() / self.world_size
         return host.to(tensor.device)
 
+    @override
     def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
         host = self._stage(rows.detach()).contiguous()
         mine = torch.empty(host.shape[1:], dtype=host.dtype, device=host.device)
         _reduce_scatter_single(mine, host.view(-1), op=dist.ReduceOp.SUM, group=self._group)
         return mine.div_(self.world_size).to(rows.device)
 
+    @override
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         host = self._stage(tensor.detach()).contiguous()
         gathered = [torch.empty_like(host) for _ in range(self.world_size)]
@@ -76,10 +81,12 @@ class HostCollectives(Collectives):
         dist.gather(host, list(gathered.unbind(0)), dst=dst, group=self._group)
         return gathered
 
+    @override
     def broadcast_(self, tensors: list[torch.Tensor], src: int) -> None:
         with torch.no_grad():
             self._in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=self._group))
 
+    @override
     def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]] | None:
         """torchmetrics gathers over the default group, here gloo, which takes host tensors only: gather host copies
         (torchmetrics' own gather, so states of different sizes per rank still work) and move them back."""

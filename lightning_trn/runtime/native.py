@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from typing_extensions import override
 
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
 from lightning_trn.runtime.collectives import Collectives
@@ -50,9 +51,11 @@ class NativeRuntime(DeviceRuntime):
     def __init__(self) -> None:
         self._platform: Platform | None = None
 
+    @override
     def is_installed(self) -> bool:
         return native_device_available()
 
+    @override
     def detect_platform(self) -> Platform:
         if self._platform is None:
             count = torch.get_device_module("neuron").device_count() if native_device_available() else 0
@@ -68,17 +71,21 @@ class NativeRuntime(DeviceRuntime):
                 self._platform = Platform(NEURON, count, "torch.neuron.device_count(): logical NeuronCores")
         return self._platform
 
+    @override
     def device(self) -> torch.device:
         return torch.device(self.device_type, torch.get_device_module(self.device_type).current_device())
 
+    @override
     def sync(self, wait: bool = False) -> None:
         """Eager: nothing to cut. `wait=True` waits for the device's queued work."""
         if wait:
             torch.get_device_module(self.device_type).synchronize()
 
+    @override
     def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
         return (move_data_to_device(batch, device) for batch in dataloader)
 
+    @override
     def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """CPU copies of `tensors` for one host sync: each copy is queued without waiting (into pinned memory, which
         PyTorch allocates for a `non_blocking` copy to the host), then the host waits once for the devices they
@@ -89,12 +96,14 @@ class NativeRuntime(DeviceRuntime):
             module.synchronize(device)
         return copies
 
+    @override
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         try:
             return dict(torch.get_device_module(self.device_type).memory_stats(device))
         except (AttributeError, RuntimeError):
             return {}
 
+    @override
     def metrics(self) -> RuntimeMetrics:
         """Graphs `torch.compile` built (Dynamo's count, any backend); device reads, host syncs and CPU-fallback ops
         as the stand-in counts them. TorchNeuron counts no transfers (zeros there) and lists its fallback ops by
@@ -114,23 +123,29 @@ class NativeRuntime(DeviceRuntime):
             cpu_fallbacks=standin.host_op_counts(),
         )
 
+    @override
     def autocast(self, dtype: torch.dtype) -> AbstractContextManager:
         return torch.autocast(self.device_type, dtype=dtype)
 
+    @override
     def compile(self, module: torch.nn.Module, *, fullgraph: bool) -> torch.nn.Module:
         """TorchNeuron's `torch.compile` backend (the stand-in registers one of the same name)."""
         # a module compiles to an `OptimizedModule`; torch's annotations only say "a callable"
         return cast(torch.nn.Module, torch.compile(module, backend="neuron", fullgraph=fullgraph, dynamic=False))
 
+    @override
     def manual_seed(self, seed: int) -> None:
         torch.get_device_module(self.device_type).manual_seed_all(seed)
 
+    @override
     def world_size(self) -> int:
         return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
+    @override
     def supports_cross_process_collectives(self) -> bool:
         return True
 
+    @override
     def configure_process(
         self,
         *,
@@ -155,9 +170,11 @@ class NativeRuntime(DeviceRuntime):
             )
         module.set_device(local_rank)
 
+    @override
     def process_group_backend(self) -> str:
         return "neuron"
 
+    @override
     def collectives(self, world_size: int, group: Any = None) -> Collectives:
         """Collectives on the device tensors themselves, in the default (`neuron`) process group; `group`, the
         strategy's gloo group, carries host objects only."""
@@ -167,9 +184,11 @@ class NativeRuntime(DeviceRuntime):
 class DeviceCollectives(HostCollectives):
     """`HostCollectives` without the host copies: the `neuron` backend takes device tensors."""
 
+    @override
     def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    @override
     def metric_sync_fn(self) -> None:
         """torchmetrics' default gather already works: the default group takes device tensors."""
         return None

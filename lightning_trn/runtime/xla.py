@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
 
 from lightning_trn.runtime.base import DeviceRuntime, RuntimeMetrics
 from lightning_trn.runtime.collectives import Collectives
@@ -157,9 +158,11 @@ class XlaRuntime(DeviceRuntime):
     def __init__(self) -> None:
         self._platform: Platform | None = None
 
+    @override
     def is_installed(self) -> bool:
         return torch_xla_installed()
 
+    @override
     def detect_platform(self) -> Platform:
         if self._platform is None:
             self._platform = detect_platform()
@@ -167,15 +170,18 @@ class XlaRuntime(DeviceRuntime):
                 log.warning("lightning_trn: no NeuronCores found; running on XLA:CPU (PJRT_DEVICE=CPU).")
         return self._platform
 
+    @override
     def device(self) -> torch.device:
         torch_xla = import_xla("torch_xla")
         return torch_xla.device()
 
+    @override
     def sync(self, wait: bool = False) -> None:
         """Cut and launch the graph. `reset_scope=False`: a profiler trace (`XLAProfiler`'s `xp.Trace`/`StepTrace`)
         may be open around the step being cut; its scope is IR metadata only, and the trace resets it at its exit."""
         import_xla("torch_xla").sync(wait=wait, reset_scope=False)
 
+    @override
     def prefetch(self, dataloader: Iterable, device: torch.device) -> Iterable:
         """`MpDeviceLoader` on the batches' tensors only: it would turn tuples, namedtuples, dict subclasses and
         dataclasses into lists and dicts, so each batch's containers travel beside it and are rebuilt around the
@@ -195,12 +201,14 @@ class XlaRuntime(DeviceRuntime):
         loader = parallel_loader.ParallelLoader(tensors_only(), [device], batches_per_execution=sys.maxsize)
         return _batches_until_closed(loader, device, skeletons)
 
+    @override
     def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """One transfer for all of them (what `xm.save` does), instead of one `.cpu()` per tensor."""
         if not tensors:
             return []
         return list(import_xla("torch_xla")._XLAC._xla_get_cpu_tensors([t.detach() for t in tensors]))
 
+    @override
     def to_device(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         """`send_cpu_data_to_device` (as `MpDeviceLoader`), not `.to()`: torch_xla keeps a 0-dim tensor holding 0 or
         +-1 moved by `.to()` as a graph constant, so the first graph it enters differs from every later one, which
@@ -210,6 +218,7 @@ class XlaRuntime(DeviceRuntime):
         xm = import_xla("torch_xla.core.xla_model")
         return list(xm.send_cpu_data_to_device([t.detach() for t in tensors], device))
 
+    @override
     def memory_stats(self, device: torch.device) -> dict[str, Any]:
         xm = import_xla("torch_xla.core.xla_model")
         try:
@@ -217,15 +226,18 @@ class XlaRuntime(DeviceRuntime):
         except RuntimeError:  # XLA:CPU: "GetAllocatorStats is not supported"
             return {}
 
+    @override
     def start_trace(self, log_dir: str) -> bool:
         """torch_xla's profiler session (`xp.start_trace`): host and device activity, written by `stop_trace` as
         TensorBoard's `plugins/profile/<run>/<host>.xplane.pb` (and `.trace.json.gz`)."""
         import_xla("torch_xla.debug.profiler").start_trace(log_dir)
         return True
 
+    @override
     def stop_trace(self) -> None:
         import_xla("torch_xla.debug.profiler").stop_trace()
 
+    @override
     def metrics(self) -> RuntimeMetrics:
         met = import_xla("torch_xla.debug.metrics")
 
@@ -248,30 +260,37 @@ class XlaRuntime(DeviceRuntime):
             cpu_fallbacks=fallbacks,
         )
 
+    @override
     def autocast(self, dtype: torch.dtype) -> AbstractContextManager:
         import_xla("torch_xla")
         _register_autocast_attention()
         return torch.autocast("xla", dtype=dtype)
 
+    @override
     def manual_seed(self, seed: int) -> None:
         import_xla("torch_xla.core.xla_model").set_rng_state(seed)
 
     fences_recompute = True
 
+    @override
     def checkpoint_device_module(self) -> Any:
         """torch_xla registers no `torch.xla`: a module of our own serves its device's RNG state."""
         return _XlaDeviceModule()
 
+    @override
     def optimization_barrier_(self, tensors: list[torch.Tensor]) -> None:
         if tensors:
             import_xla("torch_xla.core.xla_model").optimization_barrier_(tensors)
 
+    @override
     def world_size(self) -> int:
         return int(import_xla("torch_xla.runtime").world_size())
 
+    @override
     def supports_cross_process_collectives(self) -> bool:
         return self.detect_platform().kind != CPU
 
+    @override
     def compile(self, module: torch.nn.Module, *, fullgraph: bool) -> torch.nn.Module:
         """Unchanged: every training step is already traced and compiled as one graph."""
         rank_zero_info(
@@ -280,6 +299,7 @@ class XlaRuntime(DeviceRuntime):
         )
         return module
 
+    @override
     def enable_compile_cache(self, path: str) -> bool:
         """Neuron: the compiler's cache (`NEURON_COMPILE_CACHE_URL`); XLA:CPU: torch_xla's persistent cache."""
         if self.detect_platform().kind != CPU:
@@ -296,10 +316,12 @@ class XlaRuntime(DeviceRuntime):
         import_xla("torch_xla.runtime").initialize_cache(path, readonly=False)
         return True
 
+    @override
     def compile_cache_counters(self) -> dict[str, int]:
         met = import_xla("torch_xla.debug.metrics")
         return {key: int(met.counter_value(counter) or 0) for key, counter in _CACHE_COUNTERS.items()}
 
+    @override
     def configure_process(
         self,
         *,
@@ -333,6 +355,7 @@ class XlaRuntime(DeviceRuntime):
         for name, value in changes.items():
             env.set(name, value)
 
+    @override
     def process_group_backend(self) -> str:
         """`xla` (torch_xla's ProcessGroupXla over `xm` collectives) on Neuron; `gloo` on XLA:CPU."""
         if not self.supports_cross_process_collectives():
@@ -340,6 +363,7 @@ class XlaRuntime(DeviceRuntime):
         import_xla("torch_xla.distributed.xla_backend")  # registers the "xla" backend with torch.distributed
         return "xla"
 
+    @override
     def collectives(self, world_size: int, group: Any = None) -> Collectives:
         if not self.supports_cross_process_collectives():
             return super().collectives(world_size, group)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from typing_extensions import override
 
 from lightning_trn.runtime.collectives import Collectives, reduce_op_name
 from lightning_trn.runtime.xla_import import import_xla
@@ -13,6 +14,7 @@ from lightning_trn.runtime.xla_import import import_xla
 class XlaCollectives(Collectives):
     """`xm` collectives: they become part of the step's graph and run on the NeuronCores' collective engine."""
 
+    @override
     def reduce_gradients(self, gradients: list[torch.Tensor]) -> None:
         """What `xm.reduce_gradients` does, bucketed by `ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB` (Neuron default 50)."""
         xm = import_xla("torch_xla.core.xla_model")
@@ -26,6 +28,7 @@ class XlaCollectives(Collectives):
         elif gradients:
             xm.all_reduce(xm.REDUCE_SUM, gradients, scale=scale)
 
+    @override
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         xm = import_xla("torch_xla.core.xla_model")
         name = reduce_op_name(op)
@@ -33,6 +36,7 @@ class XlaCollectives(Collectives):
         value = tensor if name != "mean" or tensor.is_floating_point() else tensor.float()
         return xm.all_reduce(kinds[name], value, scale=1.0 / self.world_size if name == "mean" else 1.0)
 
+    @override
     def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
         xm = import_xla("torch_xla.core.xla_model")
         mine = xm.reduce_scatter(
@@ -40,9 +44,11 @@ class XlaCollectives(Collectives):
         )
         return mine.squeeze(0)
 
+    @override
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         xm = import_xla("torch_xla.core.xla_model")
         return xm.all_gather(tensor.unsqueeze(0), dim=0)
 
+    @override
     def broadcast_(self, tensors: list[torch.Tensor], src: int) -> None:
         import_xla("torch_xla.core.xla_model").collective_broadcast(tensors, root_ordinal=src)

@@ -10,7 +10,6 @@ import sys
 import torch
 
 if "--start-device-first" in sys.argv:
-    import lightning_trn
     from lightning_trn.runtime import get_runtime
 
     get_runtime().device()
@@ -18,12 +17,16 @@ if "--start-device-first" in sys.argv:
 weight = torch.ones(2, requires_grad=True)
 weight.sum().backward()
 
-import lightning_trn  # noqa: E402,F811  (without --start-device-first: imported after the CPU backward)
 from lightning.pytorch import Trainer  # noqa: E402
-
 from models import RegressionModel  # noqa: E402
 
-trainer = Trainer(accelerator="neuron", max_steps=2, logger=False, enable_progress_bar=False,
-                  enable_checkpointing=False, enable_model_summary=False)
+trainer = Trainer(
+    accelerator="neuron",
+    max_steps=2,
+    logger=False,
+    enable_progress_bar=False,
+    enable_checkpointing=False,
+    enable_model_summary=False,
+)
 trainer.fit(RegressionModel())
 print(f"trained {trainer.global_step} steps")

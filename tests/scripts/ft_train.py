@@ -6,11 +6,16 @@ Prints `START <global_step>` once training starts (after any restore) and `STEP 
 `DIR/final.pt` with the final weights. Everything random that a user's job has is there: a plain
 `DataLoader(shuffle=True)` (a `RandomSampler` drawing from the global generator), a dataset that augments every
 sample with torch, numpy and Python random numbers, and dropout on the device; `--devices 2` runs it data-parallel.
+`--sigterm-rank r --sigterm-step k` sends SIGTERM to rank r alone at the end of step k, as a preemption of one node
+does; every rank that stops prints `STOPPED <rank> <global_step>`, and `ModelCheckpoint(save_on_exception=True)`
+writes `last.ckpt`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -28,10 +33,12 @@ SAMPLES, BATCH_SIZE = 256, 16  # 16 batches per epoch (8 per rank with --devices
 
 
 class Progress(pl.Callback):
-    """Reports the step the run starts from and each finished step on stdout (rank 0), for the parent test."""
+    """Reports the step the run starts from and each finished step on stdout (rank 0), and where each rank stopped
+    on an exception, for the parent test; sends SIGTERM to one rank at a chosen step."""
 
-    def __init__(self, step_delay: float) -> None:
+    def __init__(self, step_delay: float, sigterm_rank: int, sigterm_step: int) -> None:
         self.step_delay = step_delay
+        self.sigterm_rank, self.sigterm_step = sigterm_rank, sigterm_step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:  # one writer: ranks share the parent's stdout
@@ -41,6 +48,11 @@ class Progress(pl.Callback):
         if trainer.is_global_zero:
             print(f"STEP {trainer.global_step}", flush=True)
         time.sleep(self.step_delay)  # gives the parent time to kill the run at a chosen step
+        if (trainer.global_rank, trainer.global_step) == (self.sigterm_rank, self.sigterm_step):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        print(f"STOPPED {trainer.global_rank} {trainer.global_step}", flush=True)
 
 
 class MLP(pl.LightningModule):
@@ -66,17 +78,29 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--sigterm-rank", type=int, default=-1)
+    parser.add_argument("--sigterm-step", type=int, default=-1)
     args = parser.parse_args()
 
     pl.seed_everything(SEED)
     model = MLP()
     trainer = pl.Trainer(
-        accelerator="neuron", devices=args.devices, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=args.out,
+        accelerator="neuron",
+        devices=args.devices,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.out,
         callbacks=[
-            Progress(args.step_delay),
-            ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=0,
-                            every_n_train_steps=args.every),
+            Progress(args.step_delay, args.sigterm_rank, args.sigterm_step),
+            ModelCheckpoint(
+                dirpath=args.out / "checkpoints",
+                save_last=True,
+                save_top_k=0,
+                every_n_train_steps=args.every,
+                save_on_exception=True,
+            ),
         ],
     )
     trainer.fit(model, ckpt_path="last")

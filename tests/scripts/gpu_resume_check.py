@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
-from zero1_train import ACCUMULATE, CLIP, SEED, STEPS, Net, dataset  # noqa: E402
+from zero1_train import ACCUMULATE, CLIP, SEED, STEPS, Net, dataset
 
 TOLERANCE = 1e-5
 
@@ -28,7 +28,7 @@ TOLERANCE = 1e-5
 class GpuNet(Net):
     """The job's module without its Neuron metrics hook, recording the optimizer state the run starts from."""
 
-    restored: Optional[dict] = None
+    restored: dict | None = None
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         pass
@@ -38,16 +38,24 @@ class GpuNet(Net):
         self.restored = {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in state.items()}
 
 
-def fit(max_steps: int, ckpt_path: Optional[str] = None, save: Optional[str] = None) -> tuple[dict, Optional[dict]]:
+def fit(max_steps: int, ckpt_path: str | None = None, save: str | None = None) -> tuple[dict, dict | None]:
     pl.seed_everything(SEED)
     torch.manual_seed(SEED)
     model = GpuNet()
     data = dataset()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)  # zero1_train's 1-process order
     loader = DataLoader(data, batch_size=8, sampler=sampler)
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=max_steps, accumulate_grad_batches=ACCUMULATE,
-                         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     if save:
         trainer.save_checkpoint(save)
@@ -72,8 +80,10 @@ def main() -> None:
             (restored[i][k] - saved[i][k]).abs().max().item() for i in saved for k in ("exp_avg", "exp_avg_sq")
         )
         to_lightning = gap(weights, lightning_resumed)
-        print(f"{name}: restored Adam moments differ from the file's by {moments:.2e}; after {STEPS} more steps the "
-              f"weights differ from Lightning's own GPU resume by {to_lightning:.2e}")
+        print(
+            f"{name}: restored Adam moments differ from the file's by {moments:.2e}; after {STEPS} more steps the "
+            f"weights differ from Lightning's own GPU resume by {to_lightning:.2e}"
+        )
         ok &= moments == 0 and to_lightning < TOLERANCE
     print("GPU RESUME CHECK", "PASSED" if ok else "FAILED")
     sys.exit(0 if ok else 1)

@@ -4,7 +4,8 @@
 own run on gloo (the reference), `--accelerator neuron` the same script on the `neuron` device. `--api fabric`: the
 same job as a Fabric loop (`ModelParallelStrategy(parallelize_fn)`, `fabric.clip_gradients`, `fabric.save`).
 `--fsdp FULL_SHARD` (or another sharding strategy): the job as a Lightning FSDP script, `FSDPStrategy` with the
-blocks as auto-wrap and activation-checkpointing units, no `configure_model` sharding.
+blocks as auto-wrap and activation-checkpointing units, no `configure_model` sharding; what its setup sends to the
+device is recorded (`setup_transfer`).
 
 AdamW, gradient clipping (active), accumulation 2 and a per-step LR schedule; 8 sequences per optimizer step in
 total whatever the mesh (each data-parallel rank takes 8 / dp), so every mesh computes the same steps. Writes to
@@ -28,8 +29,8 @@ from lightning.fabric.strategies import ModelParallelStrategy as FabricModelPara
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
@@ -57,10 +58,14 @@ def parallelize(model: nn.Module, mesh: object) -> nn.Module:
     """What a GPU user writes: tensor parallel inside the TP group, then FSDP2 over the data-parallel group."""
     tp, dp = mesh["tensor_parallel"], mesh["data_parallel"]  # type: ignore[index]
     if tp.size() > 1:
-        parallelize_module(model, tp, {
-            "embedding": RowwiseParallel(input_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-        })
+        parallelize_module(
+            model,
+            tp,
+            {
+                "embedding": RowwiseParallel(input_layouts=Replicate()),
+                "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+            },
+        )
         for block in model.blocks:  # type: ignore[union-attr]
             parallelize_module(block, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     if dp.size() > 1:
@@ -100,8 +105,10 @@ def optimizer_and_schedule(module: nn.Module) -> tuple[torch.optim.Optimizer, ob
 
 def layout(model: nn.Module) -> dict:
     """How many FSDP units and activation-checkpointed modules the model ended with."""
-    return {"fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
-            "checkpointed": sum(isinstance(m, CheckpointWrapper) for m in model.modules())}
+    return {
+        "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "checkpointed": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+    }
 
 
 def as_number(loss: torch.Tensor) -> float:
@@ -128,7 +135,7 @@ class TokenModel(pl.LightningModule):
         return self.net(tokens)
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        tokens, = batch
+        (tokens,) = batch
         logits = self(tokens[:, :-1])
         self.dtypes.add(str(logits.dtype))
         loss = next_token_loss(logits, tokens)
@@ -147,31 +154,74 @@ class TokenModel(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class SetupTransfer:
+    """What a setup sends to this rank's `neuron` device (stand-in counters): started before the model is sharded,
+    `record()` after it is set up gives the bytes copied host->device, the allocator's peak over what was allocated
+    at the start, and the bytes of the tensors the rank then holds (local shards of DTensors)."""
+
+    def __init__(self, device: torch.device) -> None:
+        from lightning_trn import standin
+
+        self.device = device
+        standin.reset_counters()
+        torch.neuron.reset_peak_memory_stats(device)
+        self.allocated = torch.neuron.memory_allocated(device)
+
+    def record(self, model: nn.Module) -> dict:
+        from lightning_trn import standin
+
+        tensors = [*model.parameters(), *model.buffers()]
+        held = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+        return {
+            "host_to_device_bytes": standin.counters()["host_to_device_bytes"],
+            "peak_bytes": torch.neuron.max_memory_allocated(self.device) - self.allocated,
+            "held_bytes": held,
+        }
+
+
 class FSDPTokenModel(TokenModel):
-    """As a Lightning FSDP script has it: no sharding of its own, the strategy's arguments say what to shard."""
+    """As a Lightning FSDP script has it: no sharding of its own, the strategy's arguments say what to shard. On
+    the stand-in, what the setup sends to the device is recorded (`SetupTransfer`), from the `setup` hook, which
+    runs before the strategy shards the model, to `on_fit_start`, after it is set up."""
 
     def configure_model(self) -> None:
         pass
+
+    def setup(self, stage: str) -> None:
+        self.transfer = SetupTransfer(self.trainer.strategy.root_device)
+
+    def on_fit_start(self) -> None:
+        self.setup_transfer = self.transfer.record(self)
 
 
 def fsdp_arguments(args: argparse.Namespace) -> dict:
     """`FSDPStrategy` arguments: each block a unit of its own, recomputed in backward."""
     mesh = {"device_mesh": (args.dp // 2, 2)} if "HYBRID" in args.fsdp else {}
-    return {"auto_wrap_policy": {Block}, "activation_checkpointing_policy": {Block}, "sharding_strategy": args.fsdp,
-            **mesh}
+    return {
+        "auto_wrap_policy": {Block},
+        "activation_checkpointing_policy": {Block},
+        "sharding_strategy": args.fsdp,
+        **mesh,
+    }
 
 
 def train_with_fabric(args: argparse.Namespace, loader: DataLoader) -> tuple[dict, dict]:
     """The Trainer's job as a Fabric loop: `fabric.setup` parallelizes, the loop accumulates and clips."""
-    strategy = (FabricFSDPStrategy(**fsdp_arguments(args)) if args.fsdp
-                else FabricModelParallelStrategy(parallelize, args.dp, args.tp))
-    fabric = Fabric(accelerator=args.accelerator, devices=args.dp * args.tp, precision=args.precision,
-                    strategy=strategy)
+    strategy = (
+        FabricFSDPStrategy(**fsdp_arguments(args))
+        if args.fsdp
+        else FabricModelParallelStrategy(parallelize, args.dp, args.tp)
+    )
+    fabric = Fabric(
+        accelerator=args.accelerator, devices=args.dp * args.tp, precision=args.precision, strategy=strategy
+    )
     fabric.launch()
     fabric.seed_everything(SEED)
     with fabric.init_module(empty_init=args.meta):
         model = TokenNet()
+    transfer = SetupTransfer(fabric.device) if args.fsdp else None
     model = fabric.setup_module(model)  # sharding replaces the parameters: the optimizer comes after
+    setup_transfer = {"setup_transfer": transfer.record(model)} if transfer else {}
     optimizer, scheduler = optimizer_and_schedule(model)
     optimizer = fabric.setup_optimizers(optimizer)
     loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
@@ -181,7 +231,7 @@ def train_with_fabric(args: argparse.Namespace, loader: DataLoader) -> tuple[dic
             break
         if args.dp > 1:  # each data-parallel rank takes its share of the batch
             rank = fabric.global_rank if args.fsdp else fabric.strategy.device_mesh["data_parallel"].get_local_rank()
-            tokens = tokens[rank::args.dp]
+            tokens = tokens[rank :: args.dp]
         logits = model(tokens[:, :-1])
         dtypes.add(str(logits.dtype))
         loss = next_token_loss(logits, tokens)
@@ -196,22 +246,48 @@ def train_with_fabric(args: argparse.Namespace, loader: DataLoader) -> tuple[dic
     fabric.save(Path(args.out) / "fabric.ckpt", {"model": model, "optimizer": optimizer})
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     state = {f"net.{name}": value for name, value in state.items()}  # the LightningModule's names
-    return state, {"losses": losses, "strategy": type(fabric.strategy).__name__, "dtypes": sorted(dtypes),
-                   "rank": fabric.global_rank, **layout(model)}
+    return state, {
+        "losses": losses,
+        "strategy": type(fabric.strategy).__name__,
+        "dtypes": sorted(dtypes),
+        "rank": fabric.global_rank,
+        **layout(model),
+        **setup_transfer,
+    }
 
 
 def train_with_trainer(args: argparse.Namespace, loader: DataLoader) -> tuple[dict, dict]:
-    strategy = "auto" if args.single else ModelParallelStrategy(
-        data_parallel_size=args.dp, tensor_parallel_size=args.tp, save_distributed_checkpoint=not args.full
+    strategy = (
+        "auto"
+        if args.single
+        else ModelParallelStrategy(
+            data_parallel_size=args.dp, tensor_parallel_size=args.tp, save_distributed_checkpoint=not args.full
+        )
     )
     if args.fsdp:
         strategy = FSDPStrategy(**fsdp_arguments(args), state_dict_type="full" if args.full else "sharded")
-    callbacks = [ModelCheckpoint(args.out, filename="step={step}", every_n_train_steps=3, save_top_k=-1,
-                                 auto_insert_metric_name=False)] if args.save else []
+    callbacks = (
+        [
+            ModelCheckpoint(
+                args.out, filename="step={step}", every_n_train_steps=3, save_top_k=-1, auto_insert_metric_name=False
+            )
+        ]
+        if args.save
+        else []
+    )
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=args.dp * args.tp, strategy=strategy, precision=args.precision,
-        max_steps=args.steps, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, callbacks=callbacks,
-        logger=False, enable_checkpointing=args.save, enable_progress_bar=False, enable_model_summary=False,
+        accelerator=args.accelerator,
+        devices=args.dp * args.tp,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.steps,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=args.save,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     with trainer.init_module(empty_init=args.meta):
         model = FSDPTokenModel() if args.fsdp else TokenModel()
@@ -222,8 +298,15 @@ def train_with_trainer(args: argparse.Namespace, loader: DataLoader) -> tuple[di
     if args.save:
         trainer.save_checkpoint(Path(args.out) / "final.ckpt")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state, {"losses": model.losses, "strategy": type(trainer.strategy).__name__,
-                   "dtypes": sorted(model.dtypes), "rank": trainer.global_rank, **layout(model)}
+    setup_transfer = {"setup_transfer": model.setup_transfer} if args.fsdp else {}
+    return state, {
+        "losses": model.losses,
+        "strategy": type(trainer.strategy).__name__,
+        "dtypes": sorted(model.dtypes),
+        "rank": trainer.global_rank,
+        **layout(model),
+        **setup_transfer,
+    }
 
 
 def main() -> None:
@@ -234,8 +317,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps in all")
     parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--save", action="store_true",
-                        help="Trainer: checkpoints after optimizer steps 3 and 6 and at the end (final.ckpt)")
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="Trainer: checkpoints after optimizer steps 3 and 6 and at the end (final.ckpt)",
+    )
     parser.add_argument("--full", action="store_true", help="full (one-file) checkpoints")
     parser.add_argument("--resume", default=None, help="Trainer: the checkpoint to resume")
     parser.add_argument("--meta", action="store_true", help="build the model on the meta device")

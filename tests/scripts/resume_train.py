@@ -14,8 +14,9 @@ import lightning.pytorch as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: models.py
 
-import lightning_trn  # noqa: E402  registers accelerator="neuron"
-from models import RegressionModel, regression_loader  # noqa: E402
+from models import RegressionModel, regression_loader
+
+import lightning_trn
 
 
 def main() -> None:
@@ -28,8 +29,15 @@ def main() -> None:
     args = parser.parse_args()
     pl.seed_everything(args.seed)
     model = RegressionModel()
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=1, max_epochs=args.epochs, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, regression_loader(n=64, batch_size=16, shuffle=False), ckpt_path=args.resume)
     trainer.save_checkpoint(args.save)
     backend = lightning_trn.runtime.get_runtime().name if args.accelerator == "neuron" else "cpu"

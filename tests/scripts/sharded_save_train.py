@@ -4,25 +4,33 @@ every_n_train_steps=1)`), optionally SIGKILL-ing the whole job at a chosen point
 
 `--kind dcp`: `strategy="fsdp"` (FSDP2; torch.distributed.checkpoint directories; the native stand-in). `--kind zero1`:
 `NeuronDDPStrategy(zero1=True, state_dict_type="sharded")` (one `zero1-rank<r>.pt` per rank plus `checkpoint.pt`).
-Checkpoints go to `<out>/ckpts`: `step=<k>.ckpt` (`--keep-all`: every step's, the reference run; otherwise the
-latest only, the older ones removed by ModelCheckpoint) and `last.ckpt`.
+`--num-nodes 2`: one rank per node, under two torchrun "nodes" (`--nnodes 2`). Checkpoints go to `<out>/ckpts`:
+`step=<k>.ckpt` (`--keep-all`: every step's, the reference run; otherwise the latest only, the older ones removed by
+ModelCheckpoint) and `last.ckpt`.
 
 `--kill SAVE:RANK:POINT` kills every process of the job (`killpg`, as a node failure or a scheduler's kill -9 would)
 during the SAVE-th sharded save of the run (1-based: the saves go `step=1.ckpt`, `last.ckpt`, `step=2.ckpt`, ...):
 - `wrote`: rank RANK kills once its own files of that save are written; the other rank is held before writing its
   files, so the directory would hold RANK's new files beside the other rank's files of the previous save;
-- `commit`: rank RANK kills right after the atomic swap that commits the save, before the previous copy is deleted.
+- `commit`: rank RANK kills right after the atomic swap that commits the save, before the previous copy is deleted;
+- `renamed`: rank RANK kills between the two renames of a commit without the swap (`--no-exchange`), once the
+  previous checkpoint is `.<name>.old` and before the new one has its name.
+
+`--no-exchange`: `renameat2` fails with EINVAL, as on NFS and Lustre (the commit takes two renames). Rank 0 writes the
+step the fit starts at (a resume's checkpoint's) to `<out>/start_step`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -89,6 +97,7 @@ def install_kill(save: int, rank: int, point: str) -> None:
             if saves["count"] == save and _rank() == rank:
                 _kill_job()
             return result
+
         return wrapped
 
     if point == "wrote":
@@ -106,6 +115,28 @@ def install_kill(save: int, rank: int, point: str) -> None:
             return swapped
 
         sharded_save._exchange = exchange_then_kill  # type: ignore[assignment]
+    elif point == "renamed":
+        from lightning_trn.core import sharded_save
+
+        rename = os.rename
+
+        def rename_then_kill(source: Any, target: Any, *args: Any, **kwargs: Any) -> None:
+            rename(source, target, *args, **kwargs)
+            if os.fspath(target).endswith(sharded_save.ASIDE_SUFFIX) and saves["count"] == save and _rank() == rank:
+                _kill_job()
+
+        os.rename = rename_then_kill
+
+
+class RecordStart(pl.Callback):
+    """Rank 0 writes the step the fit starts at to `<out>/start_step`."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            (self.out / "start_step").write_text(str(trainer.global_step))
 
 
 def main() -> None:
@@ -115,7 +146,14 @@ def main() -> None:
     parser.add_argument("--keep-all", action="store_true", help="keep every step's checkpoint (the reference)")
     parser.add_argument("--kill", default=None, help="SAVE:RANK:POINT (module docstring)")
     parser.add_argument("--resume", default=None, help="ckpt_path of trainer.fit, e.g. 'last'")
+    parser.add_argument("--no-exchange", action="store_true", help="renameat2 fails with EINVAL (NFS, Lustre)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="2: one rank per node, under torchrun --nnodes 2")
     args = parser.parse_args()
+    no_exchange: Any = contextlib.nullcontext()
+    if args.no_exchange:
+        from benchmarks.checkpoint_syscalls import without_exchange
+
+        no_exchange = without_exchange()
     if args.kill:
         save, rank, point = args.kill.split(":")
         install_kill(int(save), int(rank), point)
@@ -125,13 +163,26 @@ def main() -> None:
         strategy: Any = "fsdp"
     else:
         strategy = lightning_trn.NeuronDDPStrategy(zero1=True, state_dict_type="sharded")
-    checkpoints = ModelCheckpoint(dirpath=args.out / "ckpts", filename="{step}", every_n_train_steps=1,
-                                  save_top_k=-1 if args.keep_all else 1, save_last=True)
-    trainer = pl.Trainer(
-        accelerator="neuron", devices=2, strategy=strategy, max_steps=STEPS, logger=False, callbacks=[checkpoints],
-        enable_progress_bar=False, enable_model_summary=False,
+    checkpoints = ModelCheckpoint(
+        dirpath=args.out / "ckpts",
+        filename="{step}",
+        every_n_train_steps=1,
+        save_top_k=-1 if args.keep_all else 1,
+        save_last=True,
     )
-    trainer.fit(Net(), DataLoader(dataset(), batch_size=BATCH), ckpt_path=args.resume)
+    trainer = pl.Trainer(
+        accelerator="neuron",
+        devices=2 // args.num_nodes,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        callbacks=[checkpoints, RecordStart(args.out)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with no_exchange:
+        trainer.fit(Net(), DataLoader(dataset(), batch_size=BATCH), ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import resource
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -72,8 +71,15 @@ class Rank:
         optimizer = torch.optim.Adam(params, lr=1e-3)
         gc.collect()
         before = _status_kb("VmRSS")
-        Zero1Sharding(optimizer, self.collectives, self.collectives, self.rank, torch.Tensor.to, state_dict_type,
-                      gather_bucket_bytes=BUCKET_BYTES)
+        Zero1Sharding(
+            optimizer,
+            self.collectives,
+            self.collectives,
+            self.rank,
+            torch.Tensor.to,
+            state_dict_type,
+            gather_bucket_bytes=BUCKET_BYTES,
+        )
         if filled:
             for index, shard in enumerate(self._shards(optimizer)):
                 exp_avg, exp_avg_sq = self._moments(index, shard)
@@ -83,10 +89,16 @@ class Rank:
         work(optimizer)
         gc.collect()
         peak = _status_kb("VmHWM")
-        record = {"model": self.model, "phase": name, "rank": self.rank, "world_size": self.world_size,
-                  "sizes": self.sizes, "peak_kb": peak - before,
-                  "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                  "mismatches": 0 if filled else self._mismatches(optimizer)}
+        record = {
+            "model": self.model,
+            "phase": name,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "sizes": self.sizes,
+            "peak_kb": peak - before,
+            "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "mismatches": 0 if filled else self._mismatches(optimizer),
+        }
         print("HOST_MEMORY " + json.dumps(record), flush=True)
         dist.barrier()
 

@@ -88,9 +88,16 @@ def train_with_trainer(args: argparse.Namespace) -> None:
     if args.state_dict_type == "sharded":
         strategy = lightning_trn.NeuronDDPStrategy(zero1=True, state_dict_type="sharded")
     trainer = pl.Trainer(
-        accelerator="neuron", devices=args.devices, strategy=strategy, precision=args.precision,
-        max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="neuron",
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=args.out, filename="{step}", every_n_train_steps=3, save_top_k=-1)],
     )
     trainer.fit(model, loader, ckpt_path=args.resume)

@@ -54,7 +54,7 @@ def test_training_steps_equal_cpu(optimizer: type) -> None:
             loss.backward()
             opt.step()
         assert loss.device == NEURON
-    for p_cpu, p_device in zip(cpu.parameters(), device.parameters()):
+    for p_cpu, p_device in zip(cpu.parameters(), device.parameters(), strict=True):
         assert p_device.grad is not None and p_device.grad.device == NEURON
         torch.testing.assert_close(p_device.cpu(), p_cpu, rtol=1e-6, atol=1e-6)
 
@@ -105,16 +105,26 @@ def test_device_reads_are_counted_and_the_fallback_is_not() -> None:
     a = torch.randn(4, 4, device="neuron")
     standin.reset_counters()
     b = (a @ a + 1).relu().sum(dim=0)  # device ops only: the fallback's own copies are not reads
-    assert standin.counters() == {"device_to_host": 0, "host_to_device": 0, "host_to_device_bytes": 0,
-                                  "scalar_reads": 0, "host_syncs": 0}
+    assert standin.counters() == {
+        "device_to_host": 0,
+        "host_to_device": 0,
+        "host_to_device_bytes": 0,
+        "scalar_reads": 0,
+        "host_syncs": 0,
+    }
     b.cpu()
     b[0].item()
     bool(b[1] > -1)
     b.tolist()
     torch.ones(2).to("neuron")
     # each read waits for the device: a host sync
-    assert standin.counters() == {"device_to_host": 2, "host_to_device": 1, "host_to_device_bytes": 8,
-                                  "scalar_reads": 2, "host_syncs": 4}
+    assert standin.counters() == {
+        "device_to_host": 2,
+        "host_to_device": 1,
+        "host_to_device_bytes": 8,
+        "scalar_reads": 2,
+        "host_syncs": 4,
+    }
     standin.reset_counters()
     assert standin.counters()["device_to_host"] == standin.counters()["host_syncs"] == 0
 
@@ -125,8 +135,13 @@ def test_copies_queued_without_waiting_are_transfers_and_the_wait_is_the_host_sy
     a = torch.arange(6.0, device="neuron")
     standin.reset_counters()
     queued = [a.to("cpu", non_blocking=True), (a * 2).to("cpu", non_blocking=True)]
-    assert standin.counters() == {"device_to_host": 2, "host_to_device": 0, "host_to_device_bytes": 0,
-                                  "scalar_reads": 0, "host_syncs": 0}
+    assert standin.counters() == {
+        "device_to_host": 2,
+        "host_to_device": 0,
+        "host_to_device_bytes": 0,
+        "scalar_reads": 0,
+        "host_syncs": 0,
+    }
     assert all(copy.is_pinned() for copy in queued) and not a.cpu().is_pinned()
     torch.neuron.synchronize()
     torch.accelerator.synchronize()
@@ -162,9 +177,8 @@ def test_host_ops_run_like_cpu_fallback_ops_only_inside_the_block() -> None:
     torch.relu(a)
     assert standin.host_op_counts() == {"aten::relu": 2}
     assert standin.counters()["device_to_host"] == 1  # the first relu's input (the strict one stopped at its read)
-    with pytest.raises(standin.StandinError, match="`namespace::name`"):
-        with standin.host_ops(["relu"]):
-            pass
+    with pytest.raises(standin.StandinError, match="`namespace::name`"), standin.host_ops(["relu"]):
+        pass
 
 
 def test_strict_mode_refuses_device_reads() -> None:

@@ -14,11 +14,27 @@ pytestmark = pytest.mark.native_only
 
 SCRIPT = Path(__file__).parent / "scripts" / "collectives.py"
 CHECKS = [
-    "all_reduce_SUM", "all_reduce_AVG", "all_reduce_MAX", "all_reduce_MIN", "all_reduce_AVG_int",
-    "collectives_read_nothing_to_the_host", "broadcast", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "async_work_completes", "object_collectives", "ddp_equals_single_process",
-    "funcol_all_reduce", "dtensor_shard", "dtensor_redistribute", "fsdp2_grads_equal_single_process",
-    "no_point_to_point", "barrier_default_group_only", "no_monitored_barrier", "visible_cores_from_local_rank",
+    "all_reduce_SUM",
+    "all_reduce_AVG",
+    "all_reduce_MAX",
+    "all_reduce_MIN",
+    "all_reduce_AVG_int",
+    "collectives_read_nothing_to_the_host",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "async_work_completes",
+    "object_collectives",
+    "ddp_equals_single_process",
+    "funcol_all_reduce",
+    "dtensor_shard",
+    "dtensor_redistribute",
+    "fsdp2_grads_equal_single_process",
+    "no_point_to_point",
+    "barrier_default_group_only",
+    "no_monitored_barrier",
+    "visible_cores_from_local_rank",
 ]
 RANK_ONLY = {"reduce": 0}
 
@@ -33,8 +49,14 @@ def free_port() -> int:
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
     out = tmp_path_factory.mktemp("collectives")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", str(SCRIPT), str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(SCRIPT),
+        str(out),
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -63,10 +85,16 @@ def test_a_device_tensor_before_the_process_group_is_refused_as_on_torchneuron(t
         "dist.init_process_group('neuron')\n"
     )
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", str(script),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(script),
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert run.stderr.count("AssertionError: Neuron runtime should not be initialized before the init_process_group") \
-        >= 1, run.stderr[-3000:]
+    assert (
+        run.stderr.count("AssertionError: Neuron runtime should not be initialized before the init_process_group") >= 1
+    ), run.stderr[-3000:]

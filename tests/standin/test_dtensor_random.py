@@ -36,8 +36,14 @@ RUN_TIMEOUT_S = 400
 def _run(out: Path, accelerator: str) -> dict:
     """One launch of the script (4 processes): rank 0's record and every rank's."""
     command = [sys.executable, str(SCRIPT), "--accelerator", accelerator, "--out", str(out)]
-    result = subprocess.run(command, env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"), cwd=out,
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    result = subprocess.run(
+        command,
+        env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"),
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = json.loads((out / "run.json").read_text())
     run["ranks"] = [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
@@ -63,8 +69,7 @@ def test_init_weights_after_parallelization_trains_as_lightning_on_cpu(neuron: d
 
 
 @pytest.mark.parametrize("name, std", [("wq", 0.02), ("embedding", 1.0)])
-def test_shards_of_an_initialized_weight_are_independent_draws(neuron: dict, cpu: dict, name: str,
-                                                               std: float) -> None:
+def test_shards_of_an_initialized_weight_are_independent_draws(neuron: dict, cpu: dict, name: str, std: float) -> None:
     """Every rank holds a different shard of these weights (dp x tp); each shard is a fresh draw from the init's
     distribution. torch on the CPU (no tracker there) draws every shard from the rank's own, alike-seeded generator:
     copies, which is what the rule prevents."""
@@ -114,8 +119,9 @@ def neuron_tracker(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
         yield torch_random._rng_tracker
 
 
-def _draw_as(mesh: object, coordinate: tuple[int, int], op: Callable[[DTensor], torch.Tensor],
-             monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+def _draw_as(
+    mesh: object, coordinate: tuple[int, int], op: Callable[[DTensor], torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> torch.Tensor:
     """`op` on a (Replicate, Shard(0)) DTensor as the rank at `coordinate` of a (dp 2, tp 2) mesh runs it."""
     monkeypatch.setattr(mesh, "get_coordinate", lambda: list(coordinate))
     x = DTensor.from_local(torch.zeros(4, 3, device="neuron"), mesh, [Replicate(), Shard(0)], run_check=False)
@@ -159,14 +165,14 @@ def test_other_devices_keep_torchs_behaviour(neuron_tracker: object) -> None:
 
     with_rule = draw()
     torch_random._rng_tracker = None
-    assert all(torch.equal(a, b) for a, b in zip(with_rule, draw()))
+    assert all(torch.equal(a, b) for a, b in zip(with_rule, draw(), strict=True))
 
 
 class _Mesh:
     def __init__(self, tensor_parallel: int) -> None:
         self.tensor_parallel = tensor_parallel
 
-    def __getitem__(self, name: str) -> "_Mesh":
+    def __getitem__(self, name: str) -> _Mesh:
         assert name == "tensor_parallel"
         return self
 

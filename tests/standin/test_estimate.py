@@ -51,20 +51,36 @@ def _keeps_the_process_state() -> Iterator[None]:
 def _measured_peaks(out: Path, strategy: str, checkpointing: bool, devices: int) -> list[list[int]]:
     """Each rank's allocator peaks over the two steps of the worker script's real run on `devices` processes."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", strategy, "--ac", str(int(checkpointing)),
-               "--devices", str(devices)]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--strategy",
+        strategy,
+        "--ac",
+        str(int(checkpointing)),
+        "--devices",
+        str(devices),
+    ]
     env = child_env(LIGHTNING_TRN_STANDIN="1", LIGHTNING_TRN_STANDIN_DEVICES=str(devices))
     result = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"peak-{rank}.json").read_text()) for rank in range(devices)]
 
 
-@pytest.mark.parametrize(("strategy", "checkpointing", "devices"), [
-    ("fsdp", False, 2), ("fsdp", True, 2), ("tp", False, 2), ("zero1", False, 2),
-    ("tp", True, 4), ("tp", False, 4),  # FSDP2 over 2 x tensor parallel over 2
-])
-def test_estimated_peak_matches_the_allocator(tmp_path: Path, strategy: str, checkpointing: bool,
-                                              devices: int) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "checkpointing", "devices"),
+    [
+        ("fsdp", False, 2),
+        ("fsdp", True, 2),
+        ("tp", False, 2),
+        ("zero1", False, 2),
+        ("tp", True, 4),
+        ("tp", False, 4),  # FSDP2 over 2 x tensor parallel over 2
+    ],
+)
+def test_estimated_peak_matches_the_allocator(tmp_path: Path, strategy: str, checkpointing: bool, devices: int) -> None:
     """The simulated rank's peak against every real rank's (alike: even shards), within 10 %."""
     # in a child process: a simulated ZeRO-1 fit left process state after which a later test's conv3d weight
     # gradient on the stand-in differed from the CPU's (5e-4; cause not found)
@@ -83,9 +99,17 @@ def test_estimated_peak_matches_the_allocator(tmp_path: Path, strategy: str, che
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, list[str]]:
-    small = ["trainer.devices=2", "trainer.strategy=model_parallel", "model.tensor_parallel_size=2",
-             "data.vocab_size=4096", "data.seq_len=256", "data.batch_size=8", "model.hidden_size=64",
-             "model.intermediate_size=128", "model.num_layers=2"]
+    small = [
+        "trainer.devices=2",
+        "trainer.strategy=model_parallel",
+        "model.tensor_parallel_size=2",
+        "data.vocab_size=4096",
+        "data.seq_len=256",
+        "data.batch_size=8",
+        "model.hidden_size=64",
+        "model.intermediate_size=128",
+        "model.num_layers=2",
+    ]
     code = main(["llm", *small, *overrides])
     return code, capsys.readouterr().out.strip().splitlines()
 
@@ -102,8 +126,7 @@ def test_cli_prints_the_tables_and_exits_0_when_it_fits(capsys: pytest.CaptureFi
 def test_cli_exits_1_with_advice_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     """A micro-batch whose logits alone exceed a Trn1 core (4 x 2048 x 2**20 x 4 bytes: 32 GiB): reported, not run
     out of memory (nothing is allocated)."""
-    code, lines = _cli(capsys, "data.batch_size=4", "data.seq_len=2048", "data.vocab_size=1048576",
-                       "--platform=trn1")
+    code, lines = _cli(capsys, "data.batch_size=4", "data.seq_len=2048", "data.vocab_size=1048576", "--platform=trn1")
     assert code == 1
     peak, capacity = map(float, LAST_LINE.match(lines[-1]).groups())
     assert peak > capacity == 16.0

@@ -40,14 +40,19 @@ def test_convolutions_give_the_cpus_outputs_and_gradients(make) -> None:  # type
     served = _forward_backward(device, x.to("neuron"))
     torch.testing.assert_close(served[0], expected[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(served[1], expected[1], atol=1e-6, rtol=1e-6)
-    for mine, theirs in zip(served[2], expected[2]):
+    for mine, theirs in zip(served[2], expected[2], strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-6)
 
 
 @pytest.mark.parametrize("track_running_stats", [True, False])
-@pytest.mark.parametrize("make", [lambda t: nn.BatchNorm1d(3, momentum=1.0, track_running_stats=t),
-                                  lambda t: nn.BatchNorm2d(3, momentum=0.3, track_running_stats=t)],
-                         ids=["bn1d", "bn2d"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: nn.BatchNorm1d(3, momentum=1.0, track_running_stats=t),
+        lambda t: nn.BatchNorm2d(3, momentum=0.3, track_running_stats=t),
+    ],
+    ids=["bn1d", "bn2d"],
+)
 def test_batch_norm_updates_its_running_statistics_as_on_the_cpu(make, track_running_stats) -> None:  # type: ignore
     torch.manual_seed(0)
     cpu = make(track_running_stats)
@@ -57,7 +62,9 @@ def test_batch_norm_updates_its_running_statistics_as_on_the_cpu(make, track_run
         x = torch.randn(*shape) * (step + 1) + step
         expected = _forward_backward(cpu, x)
         served = _forward_backward(device, x.to("neuron"))
-        for mine, theirs in zip((served[0], served[1], *served[2]), (expected[0], expected[1], *expected[2])):
+        for mine, theirs in zip(
+            (served[0], served[1], *served[2]), (expected[0], expected[1], *expected[2]), strict=True
+        ):
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     for name, buffer in cpu.named_buffers():  # running_mean, running_var, num_batches_tracked
         torch.testing.assert_close(dict(device.named_buffers())[name].cpu(), buffer, atol=1e-6, rtol=1e-6, msg=name)

@@ -44,14 +44,17 @@ def _spy_reduce_scatter_dtypes(monkeypatch: pytest.MonkeyPatch) -> set:
     return seen
 
 
-@pytest.mark.parametrize(("precision", "mixed_precision", "expected"), [
-    ("bf16-true", None, torch.float32),
-    ("bf16-true", MixedPrecision(reduce_dtype=torch.bfloat16), torch.bfloat16),  # the user's choice stays
-    ("32-true", None, torch.bfloat16),  # (a bf16 model under 32-true: nothing changed)
-])
-def test_bf16_true_reduces_gradients_in_fp32_unless_told(monkeypatch: pytest.MonkeyPatch, mesh: object,
-                                                         precision: str, mixed_precision: object,
-                                                         expected: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("precision", "mixed_precision", "expected"),
+    [
+        ("bf16-true", None, torch.float32),
+        ("bf16-true", MixedPrecision(reduce_dtype=torch.bfloat16), torch.bfloat16),  # the user's choice stays
+        ("32-true", None, torch.bfloat16),  # (a bf16 model under 32-true: nothing changed)
+    ],
+)
+def test_bf16_true_reduces_gradients_in_fp32_unless_told(
+    monkeypatch: pytest.MonkeyPatch, mesh: object, precision: str, mixed_precision: object, expected: torch.dtype
+) -> None:
     strategy = NeuronFSDPStrategy(mixed_precision=mixed_precision)
     strategy.precision_plugin = NeuronPrecision(precision)
     strategy._device_mesh = mesh

@@ -63,7 +63,7 @@ def test_a_failing_compile_ends_in_its_message_not_a_bare_traceback(tmp_path: Pa
     compiler.write_text(  # answers torch's version probe, fails every compile
         "#!/bin/sh\n"
         "case \"$*\" in *' -c '*) echo 'standin.cpp:1:1: error: this compiler is broken' >&2; exit 1;; esac\n"
-        f"exec {shutil.which('c++')} \"$@\"\n"
+        f'exec {shutil.which("c++")} "$@"\n'
     )
     compiler.chmod(0o755)
     result = run(PRINT_TENSOR, LIGHTNING_TRN_STANDIN_CACHE=str(tmp_path / "cache"), CXX=str(compiler))
@@ -92,8 +92,10 @@ def test_bad_device_count(value: str) -> None:
 
 
 def test_host_ops_from_the_environment() -> None:
-    code = ("import torch, lightning_trn.standin as s; x = torch.ones(3, device='neuron'); torch.relu(x); x + x; "
-            "print(s.host_op_counts())")
+    code = (
+        "import torch, lightning_trn.standin as s; x = torch.ones(3, device='neuron'); torch.relu(x); x + x; "
+        "print(s.host_op_counts())"
+    )
     result = run(code, LIGHTNING_TRN_STANDIN_HOST_OPS="aten::relu, aten::median")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "{'aten::relu': 1}"

@@ -21,10 +21,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_trn import NeuronModelParallelStrategy
-from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from lightning_trn.core import distributed_checkpoint
 from lightning_trn.core.distributed_checkpoint import DistributedCheckpointReader, write_consolidated
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronModelParallelStrategy
+from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from tests.launch import child_env
 from tests.test_misconfiguration import documented_rows
 
@@ -40,8 +40,14 @@ def _run(out: Path, *args: str) -> dict:
     """Run the script (it launches its own processes); rank 0's record and final full weights."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
-    result = subprocess.run(command, env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"), cwd=out,
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    result = subprocess.run(
+        command,
+        env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"),
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return {**json.loads((out / "run.json").read_text()), "weights": torch.load(out / "weights.pt")}
 
@@ -129,8 +135,14 @@ def test_consolidated_checkpoint_loads_without_the_standin(tmp_path: Path, fsdp_
         "print(len(c['state_dict']), sorted(o['state']) == list(range(len(c['state_dict']))), c['global_step'])\n"
         "torch.save({'ckpt': c['state_dict'], 'safetensors': s}, sys.argv[3])\n"
     )
-    command = [sys.executable, "-c", check, str(tmp_path / "consolidated.ckpt"), str(tmp_path / "weights.safetensors"),
-               str(tmp_path / "loaded.pt")]
+    command = [
+        sys.executable,
+        "-c",
+        check,
+        str(tmp_path / "consolidated.ckpt"),
+        str(tmp_path / "weights.safetensors"),
+        str(tmp_path / "loaded.pt"),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     count = len(uninterrupted["weights"])
@@ -151,8 +163,17 @@ def test_consolidated_checkpoint_resumes_with_a_cpu_trainer(tmp_path: Path, fsdp
     out = tmp_path / "cpu"
     out.mkdir()
     env = {k: v for k, v in child_env().items() if not k.startswith("LIGHTNING_TRN_STANDIN")}
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--accelerator", "cpu", "--single",
-               "--resume", str(tmp_path / "final.ckpt")]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--accelerator",
+        "cpu",
+        "--single",
+        "--resume",
+        str(tmp_path / "final.ckpt"),
+    ]
     result = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((out / "run.json").read_text())["losses"] == []  # nothing left to train
@@ -210,11 +231,18 @@ def test_lightning_fsdp_script_equals_one_process(
 ) -> None:
     """A Lightning FSDP script (`FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block},
     sharding_strategy=...)`, no sharding of its own) served by FSDP2: each block a unit and checkpointed, the model
-    the root unit; HYBRID_SHARD on a (2 replicas, 2 shards) mesh. Ends where one unsharded process ends."""
+    the root unit; HYBRID_SHARD on a (2 replicas, 2 shards) mesh. Ends where one unsharded process ends.
+
+    The model is built on the host: at setup the device receives its shards only, as a meta-built model's (the bytes
+    copied host->device and the allocator's peak are the bytes the rank holds, half of the model: every size splits
+    evenly over 2 shards)."""
     run = _run(tmp_path, "--api", api, "--dp", str(processes), "--fsdp", sharding)
     assert run["strategy"] == "NeuronFSDPStrategy"
     assert (run["fsdp_units"], run["checkpointed"]) == (2 + 1, 2)  # the blocks and the root; the blocks
     _assert_same_weights(run, one_process)
+    transfer = run["setup_transfer"]
+    assert transfer["held_bytes"] * 2 == sum(value.nbytes for value in run["weights"].values()), transfer
+    assert transfer["host_to_device_bytes"] == transfer["peak_bytes"] == transfer["held_bytes"], transfer
 
 
 def test_fsdp_arguments_fsdp2_cannot_serve_are_refused() -> None:
@@ -230,9 +258,12 @@ def test_fsdp_arguments_fsdp2_cannot_serve_are_refused() -> None:
 
 def test_script_for_gpus_gets_the_neuron_strategy() -> None:
     """`strategy=ModelParallelStrategy(...)` with `accelerator="neuron"` becomes ours, with the same arguments."""
-    trainer = Trainer(accelerator="neuron", devices=2, logger=False,
-                      strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2,
-                                                     save_distributed_checkpoint=False))
+    trainer = Trainer(
+        accelerator="neuron",
+        devices=2,
+        logger=False,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, save_distributed_checkpoint=False),
+    )
     strategy = trainer.strategy
     assert isinstance(strategy, NeuronModelParallelStrategy)
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (1, 2)
@@ -258,8 +289,12 @@ def test_fabric_optimizer_made_before_sharding_is_refused(monkeypatch: pytest.Mo
 @pytest.mark.parametrize(("dp", "tp"), [(1, 3), (2, "auto"), (3, 1)])
 def test_mesh_sizes_that_do_not_fit_the_processes_are_refused_at_construction(dp: object, tp: object) -> None:
     with pytest.raises(ValueError, match=r"needs \d+ processes, the run has 2") as raised:
-        Trainer(accelerator="neuron", devices=2, logger=False,
-                strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp))
+        Trainer(
+            accelerator="neuron",
+            devices=2,
+            logger=False,
+            strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp),
+        )
     if (dp, tp) == (1, 3):  # the row of docs/troubleshooting.md
         _assert_documented("model-parallel-sizes", str(raised.value))
 

@@ -37,8 +37,14 @@ class RecordingModel(BoringModel):
 def fit(tmp_path, **trainer_args) -> tuple[RecordingModel, Trainer]:
     model = RecordingModel()
     trainer = Trainer(
-        accelerator="neuron", devices=1, max_steps=4, limit_val_batches=2, default_root_dir=tmp_path,
-        enable_progress_bar=False, logger=False, **trainer_args,
+        accelerator="neuron",
+        devices=1,
+        max_steps=4,
+        limit_val_batches=2,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        logger=False,
+        **trainer_args,
     )
     trainer.fit(model)
     return model, trainer
@@ -72,15 +78,19 @@ def test_tensors_come_to_the_host_for_one_host_sync() -> None:
     """`to_host` (checkpoints, epoch-end values, teardown) queues every copy and waits once; the copies are exact,
     whatever their dtype and shape."""
     device = get_runtime().device()
-    tensors = [torch.randn(3, 4, device=device), torch.tensor(7, device=device), torch.ones(2, dtype=torch.bfloat16,
-               device=device), torch.tensor([True, False], device=device)]
+    tensors = [
+        torch.randn(3, 4, device=device),
+        torch.tensor(7, device=device),
+        torch.ones(2, dtype=torch.bfloat16, device=device),
+        torch.tensor([True, False], device=device),
+    ]
     before = get_runtime().metrics()
     copies = get_runtime().to_host(tensors)
     delta = get_runtime().metrics() - before
     assert (delta.device_to_host, delta.host_syncs) == (4, 1)
-    assert all(c.device.type == "cpu" and c.dtype == t.dtype for c, t in zip(copies, tensors))
+    assert all(c.device.type == "cpu" and c.dtype == t.dtype for c, t in zip(copies, tensors, strict=True))
     blocking = [t.cpu() for t in tensors]
-    assert all(torch.equal(c, b) for c, b in zip(copies, blocking))
+    assert all(torch.equal(c, b) for c, b in zip(copies, blocking, strict=True))
     assert get_runtime().to_host([]) == [] and (get_runtime().metrics() - before).host_syncs == 1 + len(tensors)
 
 
@@ -150,8 +160,14 @@ def test_bf16_true_on_trainium_rounds_in_software_natively(monkeypatch) -> None:
 @pytest.mark.slow
 def test_mlp_recipe_reaches_0_9_and_its_checkpoint_loads_without_the_stand_in(tmp_path) -> None:
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
-    run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.mlp", "trainer.enable_progress_bar=false"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_trn.recipes.mlp", "trainer.enable_progress_bar=false"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "lightning_trn: native backend" in run.stderr
     accuracy = float(re.search(r"test_acc=([0-9.]+)", run.stdout).group(1))
@@ -173,11 +189,24 @@ def test_vit_recipe_runs_natively_and_its_export_loads_without_the_stand_in(tmp_
     """The ViT recipe (no timm: its model is plain PyTorch with timm's weights layout) trains on the stand-in, and
     the exported conv-form weights give the checkpoint's logits in a process without it."""
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
-    overrides = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "trainer.max_epochs=1",
-                 "trainer.limit_train_batches=40", "trainer.limit_val_batches=2", "trainer.limit_test_batches=8",
-                 "trainer.enable_progress_bar=false"]
-    run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.vit", *overrides], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    overrides = [
+        "model.embed_dim=32",
+        "model.depth=2",
+        "model.num_heads=2",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=40",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=8",
+        "trainer.enable_progress_bar=false",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_trn.recipes.vit", *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "lightning_trn: native backend" in run.stderr
     assert float(re.search(r"test_acc=([0-9.]+)", run.stdout).group(1)) > 0.2  # chance is 0.1
@@ -225,8 +254,13 @@ def test_the_compile_cache_callback_says_it_does_nothing_natively(tmp_path) -> N
     does nothing, and neither creates its directory nor reaches its S3 store (here one where nothing listens)."""
     from lightning_trn.pytorch.callbacks import NeuronCompileCache
 
-    cache = NeuronCompileCache("s3://bucket/prefix", local_dir=str(tmp_path / "cache"),
-                               endpoint_url="http://127.0.0.1:9", connect_timeout=0.5, max_attempts=1)
+    cache = NeuronCompileCache(
+        "s3://bucket/prefix",
+        local_dir=str(tmp_path / "cache"),
+        endpoint_url="http://127.0.0.1:9",
+        connect_timeout=0.5,
+        max_attempts=1,
+    )
     with pytest.warns(UserWarning) as record:
         warnings.simplefilter("always")  # a repeated warning is recorded, not filtered as a duplicate
         model, trainer = fit(tmp_path, callbacks=[cache])

@@ -1,5 +1,5 @@
-"""The job economy (docs/job-economy.md) on the native backend: a recipe's whole job waits for the device (host syncs) no more
-than an expert's eager loop, with no `.item()` reads and no CPU-fallback ops."""
+"""The job economy (docs/job-economy.md) on the native backend: a recipe's whole job waits for the device (host syncs)
+no more than an expert's eager loop, with no `.item()` reads and no CPU-fallback ops."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import pytest
 
 pytestmark = pytest.mark.native_only
 
-SHORT_JOB = ["trainer.max_epochs=2", "trainer.limit_train_batches=5", "trainer.limit_val_batches=3",
-             "trainer.limit_test_batches=3"]
+SHORT_JOB = [
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=5",
+    "trainer.limit_val_batches=3",
+    "trainer.limit_test_batches=3",
+]
 
 
 def test_a_recipe_job_waits_for_the_device_once_per_read_point():
@@ -18,10 +22,24 @@ def test_a_recipe_job_waits_for_the_device_once_per_read_point():
     from benchmarks.job_economy import main, targets
 
     ((plugin, expert),) = main(["--workloads", "mlp", "--set", *SHORT_JOB]).values()
-    assert plugin.per_phase("host_syncs") == {"setup": 1, "train": 0, "validation": 2, "epoch end": 2,
-                                              "checkpoint": 4, "test": 1, "teardown": 2}
-    assert expert.per_phase("host_syncs") == {"setup": 0, "train": 0, "validation": 2, "epoch end": 2,
-                                              "checkpoint": 24, "test": 1, "teardown": 0}
+    assert plugin.per_phase("host_syncs") == {
+        "setup": 1,
+        "train": 0,
+        "validation": 2,
+        "epoch end": 2,
+        "checkpoint": 4,
+        "test": 1,
+        "teardown": 2,
+    }
+    assert expert.per_phase("host_syncs") == {
+        "setup": 0,
+        "train": 0,
+        "validation": 2,
+        "epoch end": 2,
+        "checkpoint": 24,
+        "test": 1,
+        "teardown": 0,
+    }
     for side in (plugin, expert):
         assert all(p.metrics.scalar_reads == 0 and not p.metrics.cpu_fallbacks for p in side.phases.values())
     counts = {row[0]: row[3] for row in targets(plugin, expert, "native")}

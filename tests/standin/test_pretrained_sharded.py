@@ -27,16 +27,33 @@ SCRIPT = Path(__file__).parent / "scripts" / "pretrained_load.py"
 RUN_TIMEOUT_S = 240
 #: under FSDP2 on 2 ranks: ~92 MB in fp32, so that half of it stands far above the allocator's and Python's noise;
 #: every size shards unevenly (vocabulary 1001, hidden 516, MLP 1378) and the embeddings are tied
-FSDP_SIZES = {"vocab_size": 1001, "hidden_size": 516, "intermediate_size": 1378, "num_hidden_layers": 8,
-              "num_attention_heads": 6, "num_key_value_heads": 2}
+FSDP_SIZES = {
+    "vocab_size": 1001,
+    "hidden_size": 516,
+    "intermediate_size": 1378,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+}
 #: Linux's default `fault_around_bytes`: a page fault in a file mapping maps up to this much of the file around it
 FAULT_AROUND_BYTES = 64 << 10
 
 
 def launch(folder: Folder, out: Path, dp: int, tp: int, *options: str) -> list[dict]:
     env = child_env(LIGHTNING_TRN_STANDIN="1", LIGHTNING_TRN_STANDIN_DEVICES=str(dp * tp))
-    command = [sys.executable, str(SCRIPT), "--model", str(folder.path), "--out", str(out), "--dp", str(dp),
-               "--tp", str(tp), *options]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--model",
+        str(folder.path),
+        "--out",
+        str(out),
+        "--dp",
+        str(dp),
+        "--tp",
+        str(tp),
+        *options,
+    ]
     result = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = [json.loads((out / f"run-{rank}.json").read_text()) for rank in range(dp * tp)]

@@ -32,8 +32,16 @@ def _load(checkpoint: Path) -> dict:
 
 def test_lora_under_fsdp2_and_ddp_on_two_devices_ends_like_one_device(tmp_path: Path) -> None:
     folder = save_folder(tmp_path)
-    common = [f"model.pretrained={folder.path}", f"data.source={folder.rows}", *STEP, *LORA, "model.lr=1.0e-2",
-              "trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
+    common = [
+        f"model.pretrained={folder.path}",
+        f"data.source={folder.rows}",
+        *STEP,
+        *LORA,
+        "model.lr=1.0e-2",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+    ]
     # every rank takes the recipe's own seeded shuffle, as the one-device run does: same global batches
     _, single = cli.main(llm.RECIPE, [*common, "trainer.devices=1", f"out_dir={tmp_path / 'single'}"])
     reference = torch.load(single["checkpoint"], weights_only=True)
@@ -49,17 +57,31 @@ def test_lora_under_fsdp2_and_ddp_on_two_devices_ends_like_one_device(tmp_path: 
     assert len(losses["single"]) == 3 and len(set(losses["single"])) == 3
     original = load_file(folder.path / "model.safetensors")
     for name, overrides in runs.items():
-        run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", *common, *overrides,
-                              "trainer.devices=2", "trainer.use_distributed_sampler=false",
-                              f"out_dir={tmp_path / name}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=300)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lightning_trn.recipes.llm",
+                *common,
+                *overrides,
+                "trainer.devices=2",
+                "trainer.use_distributed_sampler=false",
+                f"out_dir={tmp_path / name}",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         assert _train_losses(tmp_path / name) == pytest.approx(losses["single"], rel=1e-5, abs=1e-6), name
         checkpoint = _load(tmp_path / name / "checkpoints" / "last.ckpt")
         state = checkpoint["state_dict"]
         for key in adapters:
-            torch.testing.assert_close(state[key], reference["state_dict"][key], rtol=1e-5, atol=1e-6,
-                                       msg=f"{name} {key}")
+            torch.testing.assert_close(
+                state[key], reference["state_dict"][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}"
+            )
         for key, value in state.items():
             if key not in adapters:  # the folder ties the LM head to the embedding: it holds the latter only
                 base = key.removeprefix("net.").replace("base_layer.", "").replace("lm_head.", "model.embed_tokens.")

@@ -113,9 +113,17 @@ def test_meta_init_without_a_mesh_is_materialized_in_configure_model(tmp_path: P
     module = llm.CausalLM(meta_init=True, **MODEL)
     tokens = torch.randint(0, MODEL["vocab_size"], (4, MODEL["seq_len"]))
     loader = torch.utils.data.DataLoader(llm.data._BlockDataset(tokens, tokens), batch_size=4)
-    pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
-               default_root_dir=tmp_path).fit(module, train_dataloaders=loader)
+    pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record()],
+        default_root_dir=tmp_path,
+    ).fit(module, train_dataloaders=loader)
     _assert_bit_equal(seen, _state(_eager_net()))
 
 
@@ -126,8 +134,11 @@ def _run(out: Path, meta: bool, tp: int = 1) -> dict:
     env = child_env(LIGHTNING_TRN_STANDIN="1", LIGHTNING_TRN_STANDIN_DEVICES="2")
     result = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"init": torch.load(out / "init.pt"), "final": torch.load(out / "final.pt"),
-            "losses": json.loads((out / "losses.json").read_text())}
+    return {
+        "init": torch.load(out / "init.pt"),
+        "final": torch.load(out / "final.pt"),
+        "losses": json.loads((out / "losses.json").read_text()),
+    }
 
 
 @pytest.mark.slow

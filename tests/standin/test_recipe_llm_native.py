@@ -21,8 +21,18 @@ pytestmark = pytest.mark.native_only
 def test_llm_recipe_meets_the_bar_natively_with_activation_checkpointing(tmp_path) -> None:
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "1"}
     run = subprocess.run(
-        [sys.executable, "-m", "lightning_trn.recipes.llm", "model.activation_checkpointing=true",
-         "trainer.enable_progress_bar=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "lightning_trn.recipes.llm",
+            "model.activation_checkpointing=true",
+            "trainer.enable_progress_bar=false",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "lightning_trn: native backend" in run.stderr
@@ -60,20 +70,34 @@ def test_tensor_parallel_llm_trains_like_one_device(tmp_path) -> None:
     plan: embedding and LM head split over the vocabulary, the cross entropy under `loss_parallel`, column-wise q/k/v
     and gate/up, row-wise o and down, sequence-parallel norms; AdamW on its default `foreach` path) gives the
     one-device run's losses on the same batches."""
-    short = ["trainer.limit_train_batches=10", "trainer.log_every_n_steps=5", "trainer.limit_val_batches=2",
-             "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false"]
+    short = [
+        "trainer.limit_train_batches=10",
+        "trainer.log_every_n_steps=5",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=1",
+        "trainer.enable_progress_bar=false",
+    ]
     runs = {
         "single": ["trainer.devices=1"],
         # both ranks of the tensor-parallel group take the recipe's own seeded shuffle, as the single run does
-        "tp2": ["trainer.devices=2", "trainer.strategy=model_parallel", "model.tensor_parallel_size=2",
-                "trainer.use_distributed_sampler=false"],
+        "tp2": [
+            "trainer.devices=2",
+            "trainer.strategy=model_parallel",
+            "model.tensor_parallel_size=2",
+            "trainer.use_distributed_sampler=false",
+        ],
     }
     ppl = {}
     for name, overrides in runs.items():
         env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
-        run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", *short, *overrides,
-                              f"out_dir={tmp_path / name}"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-m", "lightning_trn.recipes.llm", *short, *overrides, f"out_dir={tmp_path / name}"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         ppl[name] = float(re.search(r"val_ppl=([0-9.]+)", run.stdout).group(1))
     # the sharded checkpoint holds each block matrix in two halves (column-wise split by rows, row-wise by columns),
@@ -82,13 +106,30 @@ def test_tensor_parallel_llm_trains_like_one_device(tmp_path) -> None:
 
     saved = FileSystemReader(str(tmp_path / "tp2" / "checkpoints" / "last.ckpt")).read_metadata().state_dict_metadata
     layer = "state_dict.net.model.layers.1."
-    names = [layer + name for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj",
-                                       "mlp.down_proj", "input_layernorm")]
+    names = [
+        layer + name
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.o_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+        )
+    ]
     names += ["state_dict.net.model.embed_tokens", "state_dict.net.lm_head", "state_dict.net.model.norm"]
     halves = {name.rsplit(".", 1)[-1]: [tuple(c.sizes) for c in saved[name + ".weight"].chunks] for name in names}
-    assert halves == {"q_proj": [(64, 128)] * 2, "k_proj": [(32, 128)] * 2, "o_proj": [(128, 64)] * 2,
-                      "up_proj": [(192, 128)] * 2, "down_proj": [(128, 192)] * 2, "input_layernorm": [(128,)],
-                      "embed_tokens": [(1024, 128)] * 2, "lm_head": [(1024, 128)] * 2, "norm": [(128,)]}, halves
+    assert halves == {
+        "q_proj": [(64, 128)] * 2,
+        "k_proj": [(32, 128)] * 2,
+        "o_proj": [(128, 64)] * 2,
+        "up_proj": [(192, 128)] * 2,
+        "down_proj": [(128, 192)] * 2,
+        "input_layernorm": [(128,)],
+        "embed_tokens": [(1024, 128)] * 2,
+        "lm_head": [(1024, 128)] * 2,
+        "norm": [(128,)],
+    }, halves
     single, tp2 = _train_losses(tmp_path / "single"), _train_losses(tmp_path / "tp2")
     assert len(single) == 2 and single[-1] < single[0]
     assert tp2 == pytest.approx(single, abs=1e-4) and ppl["tp2"] == pytest.approx(ppl["single"], rel=1e-4)

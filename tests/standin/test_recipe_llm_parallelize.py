@@ -21,10 +21,13 @@ from tests.standin.fake_group import fake_process_group
 pytestmark = pytest.mark.native_only
 
 
-@pytest.mark.parametrize(("preset", "world_size", "mesh_shape", "lm_head_shard"), [
-    ("trn2-8b", 64, (16, 4), (32000 // 4 // 16, 4096)),
-    ("trn2-70b", 256, (64, 4), (128256 // 4 // 64, 8192)),
-])
+@pytest.mark.parametrize(
+    ("preset", "world_size", "mesh_shape", "lm_head_shard"),
+    [
+        ("trn2-8b", 64, (16, 4), (32000 // 4 // 16, 4096)),
+        ("trn2-70b", 256, (64, 4), (128256 // 4 // 64, 8192)),
+    ],
+)
 def test_trn2_preset_makes_every_parameter_a_dtensor_on_one_mesh(
     preset: str, world_size: int, mesh_shape: tuple[int, int], lm_head_shard: tuple[int, int]
 ) -> None:
@@ -50,11 +53,15 @@ def test_trn2_preset_makes_every_parameter_a_dtensor_on_one_mesh(
         assert all(p.placements[0].dim == 0 for p in params.values())
         rows, columns = Shard(0), Shard(1)  # a Linear's weight is (out, in): column-wise splits its rows
         expected = {
-            "model.embed_tokens.weight": rows, "lm_head.weight": rows,  # both split over the vocabulary
-            "model.norm.weight": Replicate(), "model.layers.0.input_layernorm.weight": Replicate(),
+            "model.embed_tokens.weight": rows,
+            "lm_head.weight": rows,  # both split over the vocabulary
+            "model.norm.weight": Replicate(),
+            "model.layers.0.input_layernorm.weight": Replicate(),
             "model.layers.0.post_attention_layernorm.weight": Replicate(),
-            "model.layers.0.self_attn.q_proj.weight": rows, "model.layers.0.self_attn.k_proj.weight": rows,
-            "model.layers.0.self_attn.o_proj.weight": columns, "model.layers.0.mlp.up_proj.weight": rows,
+            "model.layers.0.self_attn.q_proj.weight": rows,
+            "model.layers.0.self_attn.k_proj.weight": rows,
+            "model.layers.0.self_attn.o_proj.weight": columns,
+            "model.layers.0.mlp.up_proj.weight": rows,
             "model.layers.0.mlp.down_proj.weight": columns,
         }
         assert {name: params[name].placements[1] for name in expected} == expected

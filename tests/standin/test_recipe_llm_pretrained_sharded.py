@@ -26,21 +26,36 @@ def _train_losses(run_dir: Path) -> list[float]:
 
 def test_sharded_fine_tuning_from_a_folder_matches_one_device(tmp_path: Path) -> None:
     folder = save_folder(tmp_path)
-    common = [f"model.pretrained={folder.path}", f"data.source={folder.rows}", *STEP, "trainer.max_steps=3",
-              "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
+    common = [
+        f"model.pretrained={folder.path}",
+        f"data.source={folder.rows}",
+        *STEP,
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+    ]
     # every rank takes the recipe's own seeded shuffle, as the one-device run does: same global batches
     cli.main(llm.RECIPE, [*common, "trainer.devices=1", f"out_dir={tmp_path / 'single'}"])  # the reference
     runs = {
         "fsdp2": ["trainer.devices=2", "trainer.strategy=model_parallel", "trainer.use_distributed_sampler=false"],
-        "tp2": ["trainer.devices=2", "trainer.strategy=model_parallel", "model.tensor_parallel_size=2",
-                "trainer.use_distributed_sampler=false"],
+        "tp2": [
+            "trainer.devices=2",
+            "trainer.strategy=model_parallel",
+            "model.tensor_parallel_size=2",
+            "trainer.use_distributed_sampler=false",
+        ],
     }
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
     losses = {"single": _train_losses(tmp_path / "single")}
     for name, overrides in runs.items():
-        run = subprocess.run([sys.executable, "-m", "lightning_trn.recipes.llm", *common, *overrides,
-                              f"out_dir={tmp_path / name}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-m", "lightning_trn.recipes.llm", *common, *overrides, f"out_dir={tmp_path / name}"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         losses[name] = _train_losses(tmp_path / name)
     assert len(losses["single"]) == 3 and len(set(losses["single"])) == 3

@@ -18,8 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipe_runs import (RESUMABLE, TINY_LLM, assert_ends_alike, assert_ends_identically,
-                               kill_after_first_checkpoint, run)
+from tests.recipe_runs import (
+    RESUMABLE,
+    TINY_LLM,
+    assert_ends_alike,
+    assert_ends_identically,
+    kill_after_first_checkpoint,
+    run,
+)
 
 pytestmark = pytest.mark.native_only
 
@@ -34,10 +40,26 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_fsdp_on_two_devices_ends_like_one_device(tmp_path: Path) -> None:
-    one = run("llm", tmp_path / "one", *TINY_LLM, "trainer.strategy=neuron_ddp", "trainer.devices=1",
-              "data.batch_size=8", env=_env(), metrics=METRICS)
-    fsdp = run("llm", tmp_path / "fsdp", *TINY_LLM, "trainer.strategy=fsdp", "trainer.devices=2", "data.batch_size=4",
-               env=_env(), metrics=METRICS)
+    one = run(
+        "llm",
+        tmp_path / "one",
+        *TINY_LLM,
+        "trainer.strategy=neuron_ddp",
+        "trainer.devices=1",
+        "data.batch_size=8",
+        env=_env(),
+        metrics=METRICS,
+    )
+    fsdp = run(
+        "llm",
+        tmp_path / "fsdp",
+        *TINY_LLM,
+        "trainer.strategy=fsdp",
+        "trainer.devices=2",
+        "data.batch_size=4",
+        env=_env(),
+        metrics=METRICS,
+    )
     assert fsdp["ckpt"]["global_step"] == 6
     # the sharded run's checkpoint holds the whole weights, gathered
     assert_ends_alike(fsdp, one, TOLERANCE)

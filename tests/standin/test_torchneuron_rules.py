@@ -38,8 +38,17 @@ def _data() -> TensorDataset:
 
 
 def _fit(model: LightningModule, loader: DataLoader, tmp_path, **kwargs) -> Trainer:
-    trainer = Trainer(accelerator="neuron", devices=1, max_epochs=1, default_root_dir=tmp_path, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    trainer = Trainer(
+        accelerator="neuron",
+        devices=1,
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
     trainer.fit(model, loader)
     return trainer
 
@@ -127,9 +136,8 @@ def test_autocast_refuses_binary_cross_entropy_as_torchneuron(tmp_path) -> None:
     """TorchNeuron's autocast bans `binary_cross_entropy` with CUDA's message; bf16-mixed passes that on, and the
     logits form it names trains."""
     probs, target = torch.rand(3, device="neuron"), torch.rand(3, device="neuron")
-    with torch.autocast("neuron", dtype=torch.bfloat16):
-        with pytest.raises(RuntimeError, match="unsafe to autocast"):
-            F.binary_cross_entropy(probs, target)
+    with torch.autocast("neuron", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="unsafe to autocast"):
+        F.binary_cross_entropy(probs, target)
     F.binary_cross_entropy(probs, target)  # outside autocast it runs
     targets = (torch.rand(16, 1, generator=torch.Generator().manual_seed(2)) > 0.5).float()
     data = TensorDataset(torch.randn(16, 4), targets)

@@ -17,6 +17,7 @@ a loop that re-enters that epoch continues exactly where the saved run was.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from typing_extensions import override
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.core.gradients import clip_grad_norm_
 from lightning_trn.core.random_state import RANDOM_STATE_KEY
+from lightning_trn.core.sharded_save import recover_before_resume
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.fabric.precision import NeuronPrecision
 
@@ -208,7 +210,9 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
     @override
     def load_checkpoint(self, path: _PATH, state: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state, or says
-        once why the resume is not exact. Set up the dataloaders before loading."""
+        once why the resume is not exact. Set up the dataloaders before loading. A checkpoint that a sharded save
+        killed between its two renames left aside is put back first (rank 0; `sharded_save.recover_before_resume`)."""
+        recover_before_resume([os.path.dirname(os.fspath(path))], self.global_rank, self.barrier)
         remainder = super().load_checkpoint(path, state, *args, **kwargs)
         if isinstance(state, dict) and state:
             entry = self._restore_random_state(remainder.pop(RANDOM_STATE_KEY, None), self._loaders, skip=True)

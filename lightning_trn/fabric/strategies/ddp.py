@@ -27,6 +27,7 @@ from lightning_trn.fabric.strategies.base import NeuronFabricStrategyBase
 class _ReducedAtStep(_BackwardSyncControl):
     """Gradients are reduced once per optimizer step, never during backward: accumulation needs no skipping."""
 
+    @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         return nullcontext()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from lightning_trn.healthcheck import (
     DEFAULT_SIZE_MB,
@@ -33,6 +34,7 @@ class NeuronHealthCheck(Callback):
         self.size_mb = size_mb
         self.report: HealthReport | None = None
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not hasattr(trainer.strategy, "runtime"):
             raise ValueError("NeuronHealthCheck checks NeuronCores: use it with `Trainer(accelerator='neuron')`.")

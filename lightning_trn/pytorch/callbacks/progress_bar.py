@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar, get_standard_metrics
+from typing_extensions import override
 
 from lightning_trn.hooks.logging import values_to_host
 
@@ -98,6 +99,7 @@ class NeuronTQDMProgressBar(HostSyncFreeMetricsMixin, TQDMProgressBar):
     """`TQDMProgressBar` without a host sync per step; redraws every `refresh_rate` batches, at most
     `max_redraws_per_second` times a second, and at each loop's last batch."""
 
+    @override
     def _should_update(self, current: int, total: int | float) -> bool:
         # Lightning passes `float("inf")` totals (an iterable without a length) despite its `int` annotation
         should_update = super()._should_update(current, total)  # type: ignore[arg-type]  # see above
@@ -109,10 +111,12 @@ class NeuronRichProgressBar(HostSyncFreeMetricsMixin, RichProgressBar):
     refreshes, and the final frame when the bar stops, are always drawn)."""
 
     @property
+    @override
     def refresh_rate(self) -> float:
         """Wake-ups per second of the render thread: each one takes the GIL from the training loop."""
         return min(super().refresh_rate, self.max_redraws_per_second)
 
+    @override
     def refresh(self, hard: bool = False) -> None:
         if hard or self._redraw_due():
             super().refresh(hard=hard)

@@ -299,6 +299,17 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
         for name in steps:
             getattr(self, f"_{name}")(trainer)
 
+    def _probe_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
+        """Before the first step of `fit`: refuse a checkpoint callback's directory that not every rank shares when
+        checkpoints are sharded (`lightning_trn.core.shared_storage`). The callbacks resolved their `dirpath` (the
+        same on every rank) in their `setup`, which the Trainer runs before the strategy's."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is not None:
+                self._check_shared_directory(dirpath)
+
     def _hold_lightning_hooks(self, trainer: pl.Trainer) -> None:
         """Install the hooks into Lightning's internals for this run (`lightning_trn.hooks.registry`)."""
         if not self._holds_lightning_hooks:

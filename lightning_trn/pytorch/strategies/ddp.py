@@ -38,6 +38,7 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyBase, ParallelStrategy):
     """
 
     setup_steps = (
+        "probe_checkpoint_dirs",
         *NeuronStrategyBase.setup_steps,
         "broadcast_module_states",
         "shard_optimizer_state",

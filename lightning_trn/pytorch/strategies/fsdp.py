@@ -3,7 +3,8 @@
 `Trainer(accelerator="neuron", strategy="fsdp")` or `strategy=FSDPStrategy(auto_wrap_policy={Block}, ...)` builds it
 with the same arguments, so a Lightning FSDP script runs with only the accelerator changed. It is
 `NeuronModelParallelStrategy` with the sharding written for you: the submodules `auto_wrap_policy` selects, then the
-LightningModule, are `fully_shard`-ed when the model is configured (`lightning_trn.core.fsdp`).
+LightningModule, are `fully_shard`-ed when the model is configured (`lightning_trn.core.fsdp`). A module built on the
+host is sharded on its meta twin, and each rank copies only its shards of the host values to the device at setup.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_trn.core.fsdp import FSDPSharding
+from lightning_trn.core.model_parallel import HostValues, host_values_to_meta, materialize
 from lightning_trn.core.strategy import CheckpointingPolicy
 from lightning_trn.pytorch.strategies.model_parallel import NeuronModelParallelStrategy
 
@@ -55,6 +57,8 @@ class NeuronFSDPStrategy(NeuronModelParallelStrategy):
             timeout=timeout,
         )
         self._activation_checkpointing_policy = activation_checkpointing_policy
+        #: the host-built module's values, from its sharding (in `configure_model`) to `_materialize` (in `setup`)
+        self._host_values: HostValues = {}
 
     @property
     @override
@@ -85,8 +89,20 @@ class NeuronFSDPStrategy(NeuronModelParallelStrategy):
         self._users_configure_model()
 
     def _apply_sharding(self, trainer: pl.Trainer) -> None:
+        """`fully_shard` the LightningModule's meta twin: its host tensors go to the meta device first, their values
+        kept for `_materialize` (`host_values_to_meta`). Sharding the host-built module itself would move all of it
+        to the device (FSDP2 moves a unit's tensors whole, then shards them)."""
         assert self.model is not None
+        self._host_values = host_values_to_meta(self.model)
         self._shard(self.model)
+
+    @override
+    def _materialize(self, trainer: pl.Trainer) -> None:
+        """As the model-parallel strategy's, and a host-built module's values reach the device too, each rank
+        copying only its shards of them (`materialize`)."""
+        assert self.model is not None
+        host_values, self._host_values = self._host_values, {}
+        materialize(self.model, self.root_device, self._seed_checkpoint, host_values)
 
     def _shard(self, module: Any) -> Any:
         """`fully_shard` `module` by the FSDP arguments, on the strategy's mesh."""

@@ -46,8 +46,10 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
 
     strategy_name = "neuron_model_parallel"
     strategy_description = "FSDP2 and tensor parallel over NeuronCores, native backend (lightning_trn)"
-    #: the model is materialized first; activation checkpointing belongs in the user's `configure_model`
+    #: the model is materialized first, once the checkpoint directories are known to be shared; activation
+    #: checkpointing belongs in the user's `configure_model`
     setup_steps = (
+        "probe_checkpoint_dirs",
         "materialize",
         *_BASE_STEPS,
         "broadcast_replicated",

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerFast
+from typing_extensions import override
 
 from lightning_trn.recipes.data_sources import load_rotten_tomatoes
 from lightning_trn.recipes.tensor_datamodule import shuffled_split
@@ -126,6 +127,7 @@ class LMDataModule(pl.LightningDataModule):
         """`unigram_perplexity` of the training blocks on the validation blocks."""
         return unigram_perplexity(self.splits["train"], self.splits["val"], len(self.tokenizer))
 
+    @override
     def train_dataloader(self) -> DataLoader:
         blocks = self.splits["train"]
         generator = torch.Generator().manual_seed(self.seed)
@@ -140,9 +142,11 @@ class LMDataModule(pl.LightningDataModule):
         labels = torch.cat([blocks, torch.full((pad, blocks.shape[1]), IGNORE_INDEX)])
         return DataLoader(_BlockDataset(input_ids, labels), batch_size=self.batch_size)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("val")
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader("test")
 

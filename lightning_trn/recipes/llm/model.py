@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from typing_extensions import override
 
 from lightning_trn.hooks.throughput import tensor_parallel_size
 from lightning_trn.recipes.llm.data import IGNORE_INDEX, SPECIAL_TOKENS, pretrained_tokenizer, wrap_tokenizer
@@ -41,11 +42,13 @@ class TokenMean(Metric):
         self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
+    @override
     def update(self, loss_sum: torch.Tensor, count: torch.Tensor) -> None:
         """Add a batch's summed token losses and its number of predicted tokens."""
         self.total += loss_sum.to(self.total.dtype)
         self.count += count.to(self.count.dtype)
 
+    @override
     def compute(self) -> torch.Tensor:
         mean = self.total / self.count.clamp_min(1.0)
         return mean.exp() if self.exp else mean
@@ -182,6 +185,7 @@ class CausalLM(pl.LightningModule):
         self.tokenizer_json: str | None = None
         self._parallelized = False
 
+    @override
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits (batch, seq_len, vocab) of packed, causal blocks."""
         mask = causal_mask(input_ids.shape[1], self.net.config._attn_implementation, self.net.dtype, input_ids.device)
@@ -210,6 +214,7 @@ class CausalLM(pl.LightningModule):
             total = total.full_tensor()
         return total, (targets != IGNORE_INDEX).sum()
 
+    @override
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """The Trainer's backward (automatic optimization) under `loss_parallel`, which the cross entropy's backward
         over vocabulary-split logits needs as much as its forward: entering it in `training_step` alone would be
@@ -217,6 +222,7 @@ class CausalLM(pl.LightningModule):
         with self._loss_parallel():
             super().backward(loss, *args, **kwargs)
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         total, count = self.loss_sum(batch)
         loss = total / count  # training blocks have no padding rows
@@ -231,12 +237,15 @@ class CausalLM(pl.LightningModule):
         self.log(f"{stage}_loss", mean, on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}_ppl", ppl, on_step=False, on_epoch=True, prog_bar=True)
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
 
+    @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "test")
 
+    @override
     def setup(self, stage: str) -> None:
         """Take the data module's tokenizer (saved with the checkpoints) and set `flops_per_batch` for
         `ThroughputMonitor`: 6 x (parameters except the embedding) + 12 x layers x hidden x seq_len per token,
@@ -250,6 +259,7 @@ class CausalLM(pl.LightningModule):
         per_token = 6 * dense + 12 * config.num_hidden_layers * config.hidden_size * seq_len
         self.flops_per_batch = per_token * datamodule.batch_size * seq_len
 
+    @override
     def configure_model(self) -> None:
         """Under `ModelParallelStrategy` (`trainer.strategy=model_parallel`): `parallelize` over its device mesh
         (tensor parallel, activation checkpointing, FSDP2 with bf16 parameters under bf16 precision). FSDP strategies
@@ -309,6 +319,7 @@ class CausalLM(pl.LightningModule):
         steps[-1] = (steps[-1][0], last_step)
         return steps
 
+    @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         """AdamW (no weight decay on norms or other vectors), learning rate warmed up linearly from lr/warmup_steps,
         then cosine down to `min_lr_ratio` x lr at the last step; stepped every optimizer step. Frozen parameters
@@ -334,9 +345,11 @@ class CausalLM(pl.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tokenizer"] = self.tokenizer_json
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.tokenizer_json = checkpoint.get("tokenizer")
 

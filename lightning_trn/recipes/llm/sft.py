@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_trn.recipes.llm.data import IGNORE_INDEX
 from lightning_trn.recipes.tensor_datamodule import shuffled_split
@@ -134,6 +135,7 @@ class SFTDataModule(pl.LightningDataModule):
                     f"{batch_size}: add rows, raise data.seq_len or lower data.batch_size."
                 )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(
@@ -150,9 +152,11 @@ class SFTDataModule(pl.LightningDataModule):
         }
         return DataLoader(_Rows(padded), batch_size=self.batch_size)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("val")
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader("test")
 

@@ -29,7 +29,7 @@ def section(*names: str) -> Callable[[Callable[[], None]], None]:
     def run(body: Callable[[], None]) -> None:
         try:
             body()
-        except Exception:
+        except Exception:  # noqa: BLE001  any failing check is a result: recorded, the other sections still run
             for name in names:
                 results.setdefault(name, traceback.format_exc(limit=3))
 
@@ -49,8 +49,15 @@ mine = [[1.0, 5.0], [3.0, 2.0]][rank]
 peer = 1 - rank
 
 
-@section("all_reduce_SUM", "all_reduce_AVG", "all_reduce_MAX", "all_reduce_MIN", "all_reduce_AVG_int",
-         "collectives_read_nothing_to_the_host", "async_work_completes")
+@section(
+    "all_reduce_SUM",
+    "all_reduce_AVG",
+    "all_reduce_MAX",
+    "all_reduce_MIN",
+    "all_reduce_AVG_int",
+    "collectives_read_nothing_to_the_host",
+    "async_work_completes",
+)
 def all_reduce() -> None:
     for op, expected in [("SUM", [4.0, 7.0]), ("AVG", [2.0, 3.5]), ("MAX", [3.0, 5.0]), ("MIN", [1.0, 2.0])]:
         x = on_device(mine)
@@ -102,12 +109,15 @@ def what_torchneuron_lacks() -> None:  # refused as TorchNeuron's backend refuse
             return match in str(err)
         return False
 
-    results["no_point_to_point"] = refused(lambda: dist.send(on_device([9.0]), dst=peer), NotImplementedError,
-                                           "send is not supported") and refused(
-        lambda: dist.irecv(torch.zeros(1, device="neuron"), src=peer), NotImplementedError, "recv is not supported")
+    results["no_point_to_point"] = refused(
+        lambda: dist.send(on_device([9.0]), dst=peer), NotImplementedError, "send is not supported"
+    ) and refused(
+        lambda: dist.irecv(torch.zeros(1, device="neuron"), src=peer), NotImplementedError, "recv is not supported"
+    )
     subgroups = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group
     results["barrier_default_group_only"] = refused(
-        lambda: dist.barrier(group=subgroups[rank]), NotImplementedError, "only for default group")
+        lambda: dist.barrier(group=subgroups[rank]), NotImplementedError, "only for default group"
+    )
     results["no_monitored_barrier"] = refused(lambda: dist.monitored_barrier(), ValueError, "GLOO")
     results["visible_cores_from_local_rank"] = os.environ["NEURON_RT_VISIBLE_CORES"] == os.environ["LOCAL_RANK"]
 
@@ -132,7 +142,7 @@ def ddp() -> None:  # 2 processes x batch 4 equal 1 process x batch 8
         opt_ddp.step()
     results["ddp_equals_single_process"] = all(
         torch.allclose(p.cpu(), q, rtol=0, atol=1e-6)
-        for p, q in zip(ddp_model.module.parameters(), reference.parameters())
+        for p, q in zip(ddp_model.module.parameters(), reference.parameters(), strict=True)
     )
 
 
@@ -146,7 +156,7 @@ def dtensor() -> None:  # functional collectives and DTensor dispatch from C++ t
     mesh = init_device_mesh("neuron", (2,))
     full = torch.arange(8.0).reshape(4, 2)
     sharded = distribute_tensor(full.to("neuron"), mesh, [Shard(0)])
-    check("dtensor_shard", sharded.to_local(), full[2 * rank:2 * rank + 2])
+    check("dtensor_shard", sharded.to_local(), full[2 * rank : 2 * rank + 2])
     check("dtensor_redistribute", sharded.redistribute(mesh, [Replicate()]).to_local(), full)
 
 
@@ -169,7 +179,7 @@ def fsdp2() -> None:  # sharded gradients equal the single process's
     nn.functional.mse_loss(sharded(data[shard].to("neuron")), target[shard].to("neuron")).backward()
     results["fsdp2_grads_equal_single_process"] = all(
         torch.allclose(p.grad.full_tensor().cpu(), q.grad, rtol=0, atol=1e-9)
-        for p, q in zip(sharded.parameters(), single.parameters())
+        for p, q in zip(sharded.parameters(), single.parameters(), strict=True)
     )
 
 

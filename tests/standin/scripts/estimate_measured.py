@@ -1,6 +1,6 @@
 """Worker script for tests/standin/test_estimate.py: the LLM recipe's `CausalLM` (about 21 M parameters) trained for
-two steps on 2 (`--devices`) stand-in `neuron` devices under one of the strategies of `strategy`; each rank writes to --out
-`peak-<rank>.json` the stand-in allocator's peak (`torch.neuron.max_memory_allocated()`) over each step.
+two steps on 2 (`--devices`) stand-in `neuron` devices under one of the strategies of `strategy`; each rank writes to
+--out `peak-<rank>.json` the stand-in allocator's peak (`torch.neuron.max_memory_allocated()`) over each step.
 """
 
 from __future__ import annotations
@@ -18,8 +18,15 @@ import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn.recipes.llm import CausalLM
 
 #: a Llama of about 21 M parameters: 4 layers, grouped-query attention, an 8k vocabulary
-MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4,
-             seq_len=128)
+MODEL = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_layers": 4,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "seq_len": 128,
+}
 BATCH_SIZE = 4
 DEVICES = 2
 
@@ -53,13 +60,15 @@ class PeakOfEachStep(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out, self.peaks = out, []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         torch.neuron.synchronize()
         torch.neuron.reset_peak_memory_stats()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         torch.neuron.synchronize()
         self.peaks.append(torch.neuron.max_memory_allocated())
         if batch_idx == 1:
@@ -74,9 +83,16 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=DEVICES)
     args = parser.parse_args()
     trainer = pl.Trainer(
-        accelerator="neuron", devices=args.devices, strategy=strategy(args.strategy, args.devices), max_steps=2,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=[PeakOfEachStep(args.out)],
+        accelerator="neuron",
+        devices=args.devices,
+        strategy=strategy(args.strategy, args.devices),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[PeakOfEachStep(args.out)],
     )
     loader = DataLoader([batch(), batch()], batch_size=None)  # each rank: the same two micro-batches
     trainer.fit(module_factory(args.strategy, bool(args.ac)), train_dataloaders=loader)
@@ -92,5 +108,11 @@ def estimated(strategy_name: str, checkpointing: bool, devices: int) -> Any:
     mesh)."""
     from lightning_trn.estimate import estimate
 
-    return estimate(lambda: module_factory(strategy_name, checkpointing), batch("meta"), accelerator="neuron",
-                    devices=DEVICES, num_nodes=devices // DEVICES, strategy=strategy(strategy_name, devices))
+    return estimate(
+        lambda: module_factory(strategy_name, checkpointing),
+        batch("meta"),
+        accelerator="neuron",
+        devices=DEVICES,
+        num_nodes=devices // DEVICES,
+        strategy=strategy(strategy_name, devices),
+    )

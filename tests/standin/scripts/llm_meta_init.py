@@ -23,16 +23,26 @@ from lightning_trn.recipes.llm.data import _BlockDataset
 
 SEED = 1234
 #: a small Llama: grouped-query attention (4 heads over 2 key/value heads), a padding row, rotary buffers
-MODEL = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-             seq_len=16, lr=1e-2, warmup_steps=1)
+MODEL = {
+    "vocab_size": 300,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "seq_len": 16,
+    "lr": 1e-2,
+    "warmup_steps": 1,
+}
 STEPS = 3
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter (DTensors gathered: a collective, all ranks call it) and buffer, as CPU tensors."""
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-            for name, t in named.items()}
+    return {
+        name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone() for name, t in named.items()
+    }
 
 
 class Record(pl.Callback):
@@ -44,8 +54,9 @@ class Record(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._save(trainer, full_state(pl_module.net), "init.pt")
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.losses.append(float(outputs["loss"]))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -69,8 +80,14 @@ def main() -> None:
     model = CausalLM(meta_init=bool(args.meta), **MODEL)
     torch.rand(7)  # draws between building and materializing must not change the weights
     trainer = pl.Trainer(
-        accelerator="neuron", devices=2, strategy=ModelParallelStrategy(2 // args.tp, args.tp), max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="neuron",
+        devices=2,
+        strategy=ModelParallelStrategy(2 // args.tp, args.tp),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[Record(args.out)],
     )
     trainer.fit(model, train_dataloaders=DataLoader(_BlockDataset(tokens, tokens), batch_size=4))

@@ -1,6 +1,6 @@
-"""Worker script for tests/standin/test_pretrained_sharded.py: a `save_pretrained` folder loaded into a model built on the meta
-device (`meta_model_from_pretrained`) and parallelized on stand-in `neuron` devices, `load_pretrained` called after
-sharding; the strategy's `materialize`, which runs afterwards, then finds nothing to draw.
+"""Worker script for tests/standin/test_pretrained_sharded.py: a `save_pretrained` folder loaded into a model built on
+the meta device (`meta_model_from_pretrained`) and parallelized on stand-in `neuron` devices, `load_pretrained` called
+after sharding; the strategy's `materialize`, which runs afterwards, then finds nothing to draw.
 
 `--trainer`: the Trainer's `NeuronModelParallelStrategy`, a LightningModule holding the model as `self.model` and
 loading it in `configure_model`, FSDP2 over `data_parallel` (each decoder layer and the root), logits from
@@ -25,60 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import safetensors  # its extension's code pages load here, before the memory measured while loading
+import safetensors  # noqa: F401  its extension's code pages load here, before the memory measured while loading
 import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
-from lightning_trn.core import pretrained
+from lightning_trn.core import pretrained, safetensors_blocks
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricModelParallelStrategy
 from lightning_trn.pytorch.strategies import NeuronModelParallelStrategy
-
-read_bytes = 0
-
-
-class CountingFile:
-    """`safetensors.safe_open` counting the bytes of every tensor or slice read from the file (headers are free)."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.file = SAFE_OPEN(*args, **kwargs)
-
-    def __enter__(self) -> CountingFile:
-        self.file.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.file.__exit__(*exc)
-
-    def keys(self) -> list[str]:
-        return self.file.keys()
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        return counted(self.file.get_tensor(key))
-
-    def get_slice(self, key: str) -> CountingSlice:
-        return CountingSlice(self.file.get_slice(key))
-
-
-class CountingSlice:
-    def __init__(self, part: object) -> None:
-        self.part = part
-
-    def get_shape(self) -> list[int]:
-        return self.part.get_shape()
-
-    def __getitem__(self, block: object) -> torch.Tensor:
-        return counted(self.part[block])
-
-
-def counted(tensor: torch.Tensor) -> torch.Tensor:
-    global read_bytes
-    read_bytes += tensor.nbytes
-    return tensor
-
-
-SAFE_OPEN, safetensors.safe_open = safetensors.safe_open, CountingFile
+from tests.standin.safetensors_reads import counting_reads
 
 
 def status_kib(field: str) -> int:
@@ -91,9 +47,13 @@ def shard(model: torch.nn.Module, mesh: Any, tp: int) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if tp > 1:
-        plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
-                "self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        plan = {
+            **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tensor_parallel"], plan)
     for layer in model.model.layers:
@@ -127,29 +87,28 @@ class HostPeak:
 
 
 def sampled(load: Any) -> dict[str, int]:
-    """`load()` under a `HostPeak` sampling at each `pretrained.read_block`."""
-    host, read_block = HostPeak(), pretrained.read_block
+    """`load()` under a `HostPeak` sampling at each `safetensors_blocks.read_block`."""
+    host, read_block = HostPeak(), safetensors_blocks.read_block
 
     def read_sampled(*args: Any) -> torch.Tensor:
         host.sample()
         return read_block(*args)
 
-    pretrained.read_block = read_sampled
+    safetensors_blocks.read_block = read_sampled
     try:
         load()
     finally:
-        pretrained.read_block = read_block
+        safetensors_blocks.read_block = read_block
     return host.finish()
 
 
 def measured_load(module: torch.nn.Module, path: str, record: dict, **kwargs: Any) -> None:
     """`load_pretrained`, recording this process's host peak over its resident memory before and the largest
     transient of a read (`HostPeak`), the bytes read and held, and whether the embeddings are tied."""
-    global read_bytes
-    read_bytes = 0
-    host = sampled(lambda: pretrained.load_pretrained(module, path, **kwargs))
+    with counting_reads() as reads:
+        host = sampled(lambda: pretrained.load_pretrained(module, path, **kwargs))
     record.update(load_peak_bytes=host["peak"], read_transient_bytes=host["transient"])
-    record["read_bytes"] = read_bytes
+    record["read_bytes"] = reads.bytes
     named = dict(module.named_parameters())  # before any forward, which leaves the root's parameters unsharded
     record["held_bytes"] = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in named.values())
     model = module.model if isinstance(module, FineTune) else module
@@ -171,7 +130,8 @@ class FineTune(pl.LightningModule):
             shard(small, self.device_mesh, tp=1)
             device = self.trainer.strategy.root_device
             self.record["warmup_peak_bytes"] = sampled(
-                lambda: pretrained.load_pretrained(small, self.warmup, device=device))["peak"]
+                lambda: pretrained.load_pretrained(small, self.warmup, device=device)
+            )["peak"]
         shard(self.model, self.device_mesh, tp=1)
         measured_load(self, self.path, self.record)
 
@@ -193,13 +153,19 @@ def main() -> None:
     ids = torch.arange(14).reshape(2, 7) * 7
     if args.trainer:
         module = FineTune(args.model, record, args.warmup)
-        trainer = pl.Trainer(accelerator="neuron", devices=args.dp, strategy=NeuronModelParallelStrategy(
-            data_parallel_size=args.dp, tensor_parallel_size=1), logger=False, enable_progress_bar=False,
-            use_distributed_sampler=False)
+        trainer = pl.Trainer(
+            accelerator="neuron",
+            devices=args.dp,
+            strategy=NeuronModelParallelStrategy(data_parallel_size=args.dp, tensor_parallel_size=1),
+            logger=False,
+            enable_progress_bar=False,
+            use_distributed_sampler=False,
+        )
         ids %= module.model.config.vocab_size
         logits = trainer.predict(module, DataLoader([ids], batch_size=None))[0]
         rank = trainer.global_rank
     else:
+
         def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
             shard(model, mesh, args.tp)
             measured_load(model, args.model, record, device=fabric.device)

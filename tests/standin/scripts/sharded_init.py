@@ -9,8 +9,9 @@ Phases, one `fabric.setup_module` each: `meta` (built on the meta device, materi
 `seed` (built on meta with another seed, read from a seed checkpoint written from the reference build, nothing drawn:
 `reset_parameters` raises), `diverged` (built on the host after rank 1 drew one extra random number). For each: the
 bytes copied host->device during setup, the allocator's peak during setup, this rank's resident bytes (the shards
-and the unsharded tensors), whether the gathered weights equal the reference build bit for bit; and for `diverged`
-whether the replicated and plain tensors equal rank 0's. Each rank writes them to --out/run-<rank>.json.
+and the unsharded tensors), whether the gathered weights equal the reference build bit for bit; for `seed` the bytes
+read from the seed checkpoint (counted at `safetensors.safe_open`); and for `diverged` whether the replicated and
+plain tensors equal rank 0's. Each rank writes them to --out/run-<rank>.json.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn import standin
 from lightning_trn.core.model_parallel import write_seed_checkpoint
 from lightning_trn.fabric import NeuronModelParallelStrategy
+from tests.standin.safetensors_reads import counting_reads
 
 SEED = 7
 
@@ -68,22 +70,30 @@ def setup(fabric: Fabric, model: nn.Module, expected: dict[str, torch.Tensor]) -
     torch.neuron.reset_peak_memory_stats(device)
     before = torch.neuron.memory_allocated(device)
     model = fabric.setup_module(model).module  # the model itself, not Fabric's wrapper
-    record = {"host_to_device_bytes": standin.counters()["host_to_device_bytes"],
-              "peak_bytes": torch.neuron.max_memory_allocated(device) - before,
-              "resident_bytes": resident_bytes(model)}
-    full = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-            for name, t in tensors(model).items()}
+    record = {
+        "host_to_device_bytes": standin.counters()["host_to_device_bytes"],
+        "peak_bytes": torch.neuron.max_memory_allocated(device) - before,
+        "resident_bytes": resident_bytes(model),
+    }
+    full = {
+        name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu() for name, t in tensors(model).items()
+    }
     record["equals_reference"] = all(torch.equal(full[name], value) for name, value in expected.items())
     return model, record
 
 
 def replicas_agree(fabric: Fabric, model: nn.Module) -> dict[str, bool]:
     """Whether each replicated or plain tensor's local values equal rank 0's."""
-    local = {name: (t.to_local() if hasattr(t, "to_local") else t).detach().cpu()
-             for name, t in tensors(model).items() if not name.startswith("big.")}
+    local = {
+        name: (t.to_local() if hasattr(t, "to_local") else t).detach().cpu()
+        for name, t in tensors(model).items()
+        if not name.startswith("big.")
+    }
     gathered = fabric.all_gather(local)  # stacked over ranks
-    return {name: all(torch.equal(values[rank].cpu(), values[0].cpu()) for rank in range(values.shape[0]))
-            for name, values in gathered.items()}
+    return {
+        name: all(torch.equal(values[rank].cpu(), values[0].cpu()) for rank in range(values.shape[0]))
+        for name, values in gathered.items()
+    }
 
 
 def main() -> None:
@@ -115,9 +125,11 @@ def main() -> None:
     reset = nn.Linear.reset_parameters
     nn.Linear.reset_parameters = lambda self: (_ for _ in ()).throw(AssertionError("drawn"))  # type: ignore
     try:
-        _, run["seed"] = setup(fabric, model, expected)
+        with counting_reads() as reads:
+            _, run["seed"] = setup(fabric, model, expected)
     finally:
         nn.Linear.reset_parameters = reset  # type: ignore[method-assign]
+    run["seed"]["read_bytes"] = reads.bytes
     fabric.strategy._seed_checkpoint = None
 
     fabric.seed_everything(SEED)

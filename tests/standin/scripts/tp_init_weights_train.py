@@ -117,7 +117,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             layer.init_weights()
         self.norm.reset_parameters()
-        std = DIM ** -0.5
+        std = DIM**-0.5
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -130,22 +130,33 @@ class Transformer(nn.Module):
 def parallelize(model: Transformer, device_mesh) -> Transformer:  # type: ignore[no-untyped-def]
     """TorchTitan's plan, as Lightning's example has it (loss_parallel: the logits stay sharded on the classes)."""
     dp_mesh, tp_mesh = device_mesh["data_parallel"], device_mesh["tensor_parallel"]
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
@@ -171,9 +182,11 @@ class Llama(pl.LightningModule):
     def on_train_start(self) -> None:
         self.model.init_weights()
         mesh = self.device_mesh
-        record = {"coordinate": mesh.get_coordinate(),
-                  "wq": self.model.layers["0"].attention.wq.weight.to_local().cpu(),
-                  "embedding": self.model.tok_embeddings.weight.to_local().cpu()}
+        record = {
+            "coordinate": mesh.get_coordinate(),
+            "wq": self.model.layers["0"].attention.wq.weight.to_local().cpu(),
+            "embedding": self.model.tok_embeddings.weight.to_local().cpu(),
+        }
         # random ops on a DTensor replicated over data_parallel, sharded over tensor_parallel
         placements = [Replicate(), Shard(0)]
         x = distribute_tensor(torch.zeros(8, 6, device=self.device), mesh, placements)
@@ -218,16 +231,24 @@ def main() -> None:
     pl.seed_everything(SEED)
     tokens = torch.randint(0, VOCAB, (SEQUENCES, LENGTH + 1), generator=torch.Generator().manual_seed(SEED))
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=4, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator=args.accelerator,
+        devices=4,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
     )
     with trainer.init_module(empty_init=True):
         model = Llama(out)
     trainer.fit(model, DataLoader(tokens, batch_size=BATCH // 2, shuffle=True))
     if trainer.global_rank == 0:
-        run = {"losses": model.losses, "strategy": type(trainer.strategy).__name__,
-               "tracker_restored": dtensor_random._rng_tracker is None}
+        run = {
+            "losses": model.losses,
+            "strategy": type(trainer.strategy).__name__,
+            "tracker_restored": dtensor_random._rng_tracker is None,
+        }
         (out / "run.json").write_text(json.dumps(run))
 
 

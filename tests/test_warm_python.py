@@ -1,0 +1,108 @@
+"""The warm interpreter tests launch children from (`tests/warm_python.py`): a warm child is the command run as
+`python` runs it (arguments, environment, working directory, standard streams, passed descriptors, exit status and
+signals), and a child that a fork could not run exactly runs cold."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.both
+
+#: prints whether torch was imported before the command ran: true only in a fork of the warm interpreter
+WARM_PROBE = "import sys; print('warm' if 'torch' in sys.modules else 'cold')"
+
+
+@pytest.fixture(scope="module")
+def warm_ready() -> None:
+    directory = os.environ.get("LIGHTNING_TRN_WARM_PYTHON")
+    if not directory:
+        pytest.skip("children start cold in this run (LIGHTNING_TRN_TEST_COLD is set)")
+    deadline = time.monotonic() + 300
+    while not Path(directory, "sock").exists():
+        assert time.monotonic() < deadline, Path(directory, "server.log").read_text()
+        time.sleep(0.2)
+
+
+def _python(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def test_a_warm_child_runs_the_command_as_python_would(warm_ready: None, tmp_path: Path) -> None:
+    code = (
+        "import os, sys; print(open(0).read()); print(sys.argv[1:], os.getcwd(), os.environ['PROBE_VAR']);"
+        "print(sys.path[0] == ''); print('torch' in sys.modules); print(os.getppid());"
+        "sys.stderr.write('to stderr'); sys.exit(3)"
+    )
+    run = _python("-c", code, "a", "b", cwd=tmp_path, env={**os.environ, "PROBE_VAR": "42"}, input="from stdin")
+    assert run.returncode == 3
+    assert run.stdout.splitlines() == ["from stdin", f"['a', 'b'] {tmp_path} 42", "True", "True", str(os.getpid())]
+    assert run.stderr == "to stderr"
+
+
+def test_modules_and_scripts_get_their_argv_and_path(warm_ready: None, tmp_path: Path) -> None:
+    script = tmp_path / "tool.py"
+    script.write_text("import sys; print(sys.argv); print(sys.path[0]); print(__name__)")
+    run = _python(str(script), "x", cwd=tmp_path)
+    assert run.stdout.splitlines() == [str([str(script), "x"]), str(tmp_path), "__main__"]
+    (tmp_path / "pkgmod.py").write_text("import sys; print(sys.argv[1:], __name__)")
+    run = _python("-m", "pkgmod", "y", cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.stdout.split() == ["['y']", "__main__"]
+
+
+def test_an_uncaught_exception_and_a_signal_end_the_child_as_they_end_python(warm_ready: None) -> None:
+    run = _python("-c", "raise ValueError('boom')")
+    assert run.returncode == 1 and "ValueError: boom" in run.stderr
+    assert _python("-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)").returncode == -signal.SIGTERM
+
+
+def test_signals_reach_the_child_and_its_client_dying_ends_it(warm_ready: None, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        pid_file.unlink(missing_ok=True)
+        client = subprocess.Popen([sys.executable, "-c", code])
+        while not pid_file.exists() or not pid_file.read_text():
+            assert client.poll() is None
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert child != client.pid  # the command runs in the fork, not in the client
+        client.send_signal(stop)
+        assert client.wait(timeout=30) == -stop
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
+            assert time.monotonic() < deadline, f"the fork outlived its client after {stop!r}"
+            time.sleep(0.05)
+
+
+def test_passed_descriptors_arrive_under_their_numbers(warm_ready: None) -> None:
+    read, write = os.pipe()
+    try:
+        run = _python("-c", f"import os; os.write({write}, b'through the pipe')", pass_fds=(write,))
+        os.close(write)
+        assert run.returncode == 0, run.stderr
+        assert os.read(read, 100) == b"through the pipe"
+    finally:
+        os.close(read)
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs", "args"),
+    [
+        ("asked to", {"env": {**os.environ, "LIGHTNING_TRN_TEST_COLD": "1"}}, ()),
+        ("import-time variable", {"env": {**os.environ, "PYTHONHASHSEED": "7"}}, ()),
+        ("own session", {"start_new_session": True}, ()),
+        ("interpreter flag", {}, ("-I",)),
+    ],
+)
+def test_what_a_fork_could_not_run_exactly_runs_cold(warm_ready: None, case: str, kwargs: dict, args: tuple) -> None:
+    assert _python("-c", WARM_PROBE).stdout.strip() == "warm"
+    run = _python(*args, "-c", WARM_PROBE, **kwargs)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "cold", case
