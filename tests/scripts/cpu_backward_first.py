@@ -10,7 +10,7 @@ import sys
 import torch
 
 if "--start-device-first" in sys.argv:
-    from lightning_trn.runtime import get_runtime
+    from lightning_trn.runtime import get_runtime  # importing the package registers accelerator="neuron"
 
     get_runtime().device()
 
@@ -19,6 +19,8 @@ weight.sum().backward()
 
 from lightning.pytorch import Trainer  # noqa: E402
 from models import RegressionModel  # noqa: E402
+
+import lightning_trn  # noqa: E402, F401  registers accelerator="neuron": imported after the CPU backward
 
 trainer = Trainer(
     accelerator="neuron",
