@@ -619,8 +619,26 @@ def _run_side(side: str, workload: str, spawned_at: float, path: str, overrides:
     Path(path).write_text(json.dumps({**asdict(result), "phases": phases}))
 
 
+#: what a launcher sets for one process of a multi-process job: a side's job is one process of its own (an inherited
+#: `PJRT_LOCAL_PROCESS_RANK=1`, say, makes torch_xla's `xm.save` skip writing on a "non-master" ordinal)
+_LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "PJRT_LOCAL_PROCESS_RANK",
+    "PJRT_LOCAL_PROCESS_COUNT",
+    "NEURON_PJRT_PROCESS_INDEX",
+    "NEURON_PJRT_WORLD_SIZE",
+    "NEURON_PJRT_PROCESSES_NUM_DEVICES",
+)
+
+
 def _spawn(side: str, workload: str, overrides: Sequence[str]) -> JobResult:
     """One side's job in a fresh process: nothing compiled before it, and its start is the job's start."""
+    env = {name: value for name, value in os.environ.items() if name not in _LAUNCHER_VARIABLES}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         spawned_at = time.monotonic()  # CLOCK_MONOTONIC: the same clock in the child
@@ -641,6 +659,7 @@ def _spawn(side: str, workload: str, overrides: Sequence[str]) -> JobResult:
                 *overrides,
             ],
             check=True,
+            env=env,
         )
         data = json.loads(Path(path).read_text())
     phases = {
