@@ -40,7 +40,9 @@ FAULT_AROUND_BYTES = 64 << 10
 
 
 def launch(folder: Folder, out: Path, dp: int, tp: int, *options: str) -> list[dict]:
-    env = child_env(LIGHTNING_TRN_STANDIN="1", LIGHTNING_TRN_STANDIN_DEVICES=str(dp * tp))
+    # cold (a fresh interpreter, not a fork of the warm one): the host-peak bound has no slack for the pages a fork
+    # shares with its parent and copies on first write
+    env = child_env(LIGHTNING_TRN_STANDIN="1", LIGHTNING_TRN_STANDIN_DEVICES=str(dp * tp), LIGHTNING_TRN_TEST_COLD="1")
     command = [
         sys.executable,
         str(SCRIPT),
