@@ -58,7 +58,7 @@ def cold(reason: str) -> None:
     """Run the real interpreter instead, noting why in `cold.log` beside the socket."""
     try:
         with open(os.path.join(HERE, "cold.log"), "a") as log:
-            log.write(f"{reason}\t{' '.join(sys.argv[1:3])[:200]}\n")
+            log.write(f"{reason}\t{' '.join(sys.argv[1:3])[:200]!r}\n")
     except OSError:
         pass
     os.execv(REAL_PYTHON, [REAL_PYTHON, *sys.argv[1:]])
