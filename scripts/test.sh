@@ -2,8 +2,8 @@
 # Runs both test suites over tests/: the XLA suite on XLA:CPU (current Python, torch 2.9 + torch-xla) and the native
 # suite on the neuron stand-in (.venv-native/, torch 2.13). Each test module's marker (`both`, `xla_only`,
 # `native_only`) says which suites run it; tests/conftest.py routes by it (docs/contributing.md).
-# The two run at the same time, the native one in the background with its output shown after the XLA suite's, each
-# on two pytest-xdist workers, so CI's two cores stay busy until both end. Both run to the end even if one fails; the exit code says if either did.
+# The two run at the same time, the native one in the background (on two pytest-xdist workers) with its output
+# shown after the XLA suite's. Both run to the end even if one fails; the exit code says if either did.
 # The XLA suite also resumes checkpoints across the two environments (tests/test_cross_backend.py), so the native
 # one must exist.
 # Children that tests launch start from a warm interpreter (tests/warm_python.py: torch and Lightning imported once,
