@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import child_env
+from tests.launch import child_env, free_port
 
 pytestmark = pytest.mark.both
 
@@ -24,12 +23,6 @@ STEPS = 5
 WEIGHT_TOLERANCE = 1e-6
 #: a launch (2 interpreters importing torch_xla, compiling and training 5 steps) finishes well within this
 RUN_TIMEOUT_S = 150
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train_args(out: Path, devices: int, num_nodes: int = 1, *extra: str) -> list[str]:
@@ -64,7 +57,7 @@ def _torchrun(nproc: int, nnodes: int = 1, node_rank: int = 0, port: int = 0) ->
         f"--nnodes={nnodes}",
         f"--node_rank={node_rank}",
         "--master_addr=127.0.0.1",
-        f"--master_port={port or _free_port()}",
+        f"--master_port={port or free_port()}",
     ]
 
 
@@ -139,7 +132,7 @@ def test_torchrun_two_processes_match_one_process(tmp_path: Path, reference: tup
 @pytest.mark.slow
 def test_two_nodes_train_and_checkpoint_once(tmp_path: Path, reference: tuple) -> None:
     """Two torchrun "nodes" on this machine, one process each, sharing the output directory."""
-    port = _free_port()
+    port = free_port()
     nodes = [
         subprocess.Popen(
             [*_torchrun(nproc=1, nnodes=2, node_rank=rank, port=port), *_train_args(tmp_path, devices=1, num_nodes=2)],

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.launch import free_port
 
 pytestmark = pytest.mark.native_only
 
@@ -37,12 +38,6 @@ CHECKS = [
     "visible_cores_from_local_rank",
 ]
 RANK_ONLY = {"reduce": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
