@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -67,11 +68,13 @@ def test_neuron_env_matches_torch_xla_torchrun_mapping(monkeypatch: pytest.Monke
         monkeypatch.setenv(name, value)
     before = dict(os.environ)
     ours = neuron_process_env(before, **RANKS)
-    neuron.configure_pjrt_environment()
-    torch_xla_set = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    # torch_xla sets variables monkeypatch does not know of: later tests (and their child jobs) must not inherit them
+    with mock.patch.dict(os.environ):
+        neuron.configure_pjrt_environment()
+        torch_xla_set = {k: v for k, v in os.environ.items() if before.get(k) != v}
+        again = neuron_process_env(dict(os.environ), **RANKS)
+        assert {name: os.environ[name] for name in again} == again
     assert ours == {**torch_xla_set, "NEURON_RT_VISIBLE_CORES": "5"}
-    again = neuron_process_env(dict(os.environ), **RANKS)
-    assert {name: os.environ[name] for name in again} == again
 
 
 def test_neuron_env_picks_local_core_from_visible_range() -> None:
