@@ -18,7 +18,7 @@ from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.pytorch.strategies import NeuronDDPStrategy, NeuronModelParallelStrategy, SingleDeviceNeuronStrategy
 from lightning_trn.registration import register
 from lightning_trn.runtime import NeuronUnavailableError
-from lightning_trn.torch_compile import compile
+from lightning_trn.torch_compile import compile, compile_blocks
 
 __version__ = "0.1.0.dev0"
 
@@ -38,6 +38,7 @@ __all__ = [
     "SingleDeviceNeuronStrategy",
     "__version__",
     "compile",
+    "compile_blocks",
     "load_pretrained",
     "meta_model_from_pretrained",
 ]

@@ -74,8 +74,8 @@ class NeuronAccelerator(Accelerator):
             raise NeuronUnavailableError(
                 f"`Trainer(accelerator='neuron', devices={devices!r})` asks for {count} devices but only "
                 f"{platform.device_count} are visible ({platform.reason}). Lower `devices`, use `devices='auto'` "
-                "for all visible NeuronCores, or widen NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES; for more "
-                "cores than one instance has, use `num_nodes`."
+                f"for all visible devices, or {platform.widen}; for more devices than one machine has, use "
+                "`num_nodes`."
             )
         return count
 

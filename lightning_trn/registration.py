@@ -4,7 +4,8 @@ version-guarded connector hooks, the same for both of Lightning's APIs (`_API` s
 Lightning discovers no outside accelerators and, for a registered "neuron" string, its connectors
 (`_AcceleratorConnector` for the Trainer, `_Connector` for Fabric) would pick `SingleDeviceStrategy("cpu")` (or
 "ddp") and a non-XLA precision plugin. We wrap exactly the methods that decide this, only for the Lightning versions
-we test: `_choose_auto_accelerator` ("auto" means neuron on real NeuronCores), `_choose_strategy`,
+we test: `_check_config_and_set_final_flags` (a precision typo is refused with the values the plugin accepts),
+`_choose_auto_accelerator` ("auto" means neuron on real NeuronCores), `_choose_strategy`,
 `_check_strategy_and_fallback` (Lightning's strategy names on a Neuron run) and `_check_and_init_precision`.
 Everything that is not a Neuron run goes to the original methods untouched.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import lightning
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY as FABRIC_ACCELERATORS
-from lightning.fabric.connector import _Connector
+from lightning.fabric.connector import _Connector, _convert_precision_to_unified_args
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
@@ -33,6 +34,7 @@ from lightning_trn import fabric
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.core.fsdp import lightning_fsdp_arguments
 from lightning_trn.core.model_parallel import lightning_model_parallel_arguments
+from lightning_trn.core.precision import check_precision
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks.registry import TESTED_LIGHTNING, lightning_version_tested
 from lightning_trn.hooks.resume import install_resume_hook
@@ -47,7 +49,13 @@ from lightning_trn.pytorch.strategies import (
 )
 from lightning_trn.runtime import neuron_hardware_present
 
-_HOOKED = ("_choose_auto_accelerator", "_choose_strategy", "_check_strategy_and_fallback", "_check_and_init_precision")
+_HOOKED = (
+    "_check_config_and_set_final_flags",
+    "_choose_auto_accelerator",
+    "_choose_strategy",
+    "_check_strategy_and_fallback",
+    "_check_and_init_precision",
+)
 _NAME = NeuronAccelerator.name()
 _DDP_STRATEGY_NAME = NeuronDDPStrategy.strategy_name
 _NEURON_STRATEGY_NAMES = (
@@ -182,6 +190,18 @@ def _neuron_strategy_flag(api: _API, flag: Any) -> Any:
     )
 
 
+def _check_precision_flag(precision: Any) -> None:
+    """A precision Lightning does not know, on a Neuron run: refused with the values the plugin accepts rather than
+    Lightning's whole list (fp16 and 64-bit among them, which the plugin refuses). Lightning's own values and aliases
+    (`"bf16"`, `32`) go on to Lightning and the plugin."""
+    if precision is None or isinstance(precision, (Precision, FabricPrecision)):
+        return
+    try:
+        _convert_precision_to_unified_args(precision)
+    except ValueError:
+        check_precision(precision)
+
+
 def _choose_neuron_strategy(api: _API, connector: Any) -> Any:
     if connector._num_nodes_flag > 1 or len(connector._parallel_devices) > 1:
         return _DDP_STRATEGY_NAME
@@ -204,10 +224,17 @@ def _install_connector_hooks(api: _API) -> bool:
         )
         return False
 
+    check_config_and_set_final_flags = connector._check_config_and_set_final_flags
     choose_auto_accelerator = connector._choose_auto_accelerator
     choose_strategy = connector._choose_strategy
     check_strategy_and_fallback = connector._check_strategy_and_fallback
     check_and_init_precision = connector._check_and_init_precision
+
+    def _check_config_and_set_final_flags(self: Any, **flags: Any) -> None:
+        accelerator = flags.get("accelerator")
+        if accelerator == _NAME or isinstance(accelerator, NeuronAccelerator):
+            _check_precision_flag(flags.get("precision"))
+        check_config_and_set_final_flags(self, **flags)
 
     def _choose_auto_accelerator() -> str:
         return _NAME if neuron_hardware_present() else choose_auto_accelerator()
@@ -229,6 +256,7 @@ def _install_connector_hooks(api: _API) -> bool:
                 return precision
         return check_and_init_precision(self)
 
+    connector._check_config_and_set_final_flags = _check_config_and_set_final_flags
     connector._choose_auto_accelerator = staticmethod(_choose_auto_accelerator)
     connector._choose_strategy = _choose_strategy
     connector._check_strategy_and_fallback = _check_strategy_and_fallback

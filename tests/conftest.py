@@ -140,6 +140,38 @@ def pytest_report_collectionfinish(config: pytest.Config) -> str:
     return f"{'XLA' if XLA_SUITE else 'native'} suite: {left_out} {OTHER_SUITE} test modules not collected"
 
 
+#: variables a launch in this process sets in `os.environ` (Lightning's launcher and cluster environments, torch_xla's
+#: Neuron mapping) and nothing takes back: left set, every later test's child jobs would inherit one rank's values,
+#: the port included (two children then rendezvous on one port)
+_LAUNCH_VARIABLE_PREFIXES = (
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+)
+_LAUNCH_VARIABLE_PREFIXES += (
+    "PJRT_LOCAL_",
+    "NEURON_PJRT_",
+    "NEURON_RT_VISIBLE_CORES",
+    "NEURON_RT_ROOT_COMM_ID",
+    "TORCHELASTIC_",
+)
+
+
+@pytest.fixture(autouse=True)
+def _launch_variables_restored():
+    """Each test starts with the launch variables the session started with."""
+    before = {name: value for name, value in os.environ.items() if name.startswith(_LAUNCH_VARIABLE_PREFIXES)}
+    yield
+    for name in [name for name in os.environ if name.startswith(_LAUNCH_VARIABLE_PREFIXES)]:
+        if name not in before:
+            del os.environ[name]
+    os.environ.update(before)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_platform_detection():
     """Platform detection is cached per runtime object; give every test its own so faked hosts don't leak."""

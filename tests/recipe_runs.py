@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+
 #: a 32-wide LLM on 32-token blocks, 6 steps: seconds of training, most of a run is imports (and compiling, on XLA)
 TINY_LLM = (
     "data.seq_len=32",
@@ -58,7 +60,8 @@ def finish(proc: subprocess.Popen, out: Path, metrics: tuple[str, ...] = ("val_l
     logged = {key: [float(row[key]) for row in rows if row.get(key)] for key in metrics}
     line = next(line for line in stdout.splitlines() if "held-out test" in line)
     return {
-        "ckpt": torch.load(out / "checkpoints" / "last.ckpt", weights_only=True),
+        # a file, or a sharded strategy's directory consolidated
+        "ckpt": NeuronCheckpointIO().load_checkpoint(out / "checkpoints" / "last.ckpt"),
         "metrics": logged,
         "line": line,
         "stderr": stderr,

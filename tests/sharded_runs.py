@@ -23,11 +23,12 @@ RUN_TIMEOUT_S = 240
 STEPS = 5
 
 
-def run_job(out: Path, kind: str, *args: str, killed: bool = False) -> Path:
-    """Run the 2-rank job in its own process group; return its checkpoint directory. `killed`: the job must end by
-    its own SIGKILL (else the kill point was never reached and nothing was tested)."""
+def run_job(out: Path, kind: str, *args: str, killed: bool = False, script: Path = SCRIPT) -> Path:
+    """Run the 2-rank job (`script`, by default the worker of the module docstring) in its own process group; return
+    its checkpoint directory. `killed`: the job must end by its own SIGKILL (else the kill point was never reached and
+    nothing was tested)."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--kind", kind, *args]
+    command = [sys.executable, str(script), "--out", str(out), "--kind", kind, *args]
     proc = subprocess.Popen(
         command,
         env=child_env(),

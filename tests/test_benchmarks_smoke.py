@@ -235,3 +235,19 @@ def test_pretrained_load_reads_each_ranks_shard_against_the_whole_files():
         model, shard = float(row["model MB"]), float(row["shard MB"])
         assert row["read MB"] == row["shard MB"] and row["read MB (whole)"] == row["model MB"]
         assert shard == pytest.approx(model / 2, abs=0.01) and float(row["time ratio"]) > 0
+
+
+@pytest.mark.native_only  # tensor parallelism and FSDP2 run on the native backend only
+def test_step_vs_torchtitan_moves_no_more_bytes_and_peaks_no_higher():
+    """The LLM recipe's step against TorchTitan's plan and step (`--tiny`: trn2-8b's strategy shrunk to dp 2 x tp 2,
+    2 layers), simulated by the estimator: per mesh dimension the tensor-parallel traffic is TorchTitan's (one
+    reduce-scatter / all-gather pair per sequence-parallel region, no all-reduce of activation gradients), FSDP2's
+    the same units', and in all the bytes and the peak are at most TorchTitan's."""
+    rows = run_benchmark("benchmarks.step_vs_torchtitan", "--tiny", "--presets", "trn2-8b")
+    by_name = {row["collective / memory"]: row for row in rows}
+    for name in ("all_gather over tensor_parallel", "reduce_scatter over tensor_parallel"):
+        assert by_name[name]["plugin count"] == by_name[name]["TorchTitan count"] != "0"
+    for name in ("all_gather over data_parallel", "reduce_scatter over data_parallel"):
+        assert by_name[name]["plugin bytes"] == by_name[name]["TorchTitan bytes"] != "0 B"
+    for name in ("all_reduce over tensor_parallel", "**all collectives (bytes)**", "**peak per rank**"):
+        assert float(by_name[name]["ratio"]) <= 1.0, by_name[name]

@@ -126,6 +126,12 @@ class _Strategy:
     def _saves_sharded(self) -> bool:
         return self.sharded
 
+    def _writes_dcp_directories(self) -> bool:  # DCP directories: `s3://` is allowed (lightning_trn.core.s3_checkpoint)
+        return True
+
+    def _async_checkpointer(self) -> None:
+        return None
+
     def _gather_objects(self, obj: Any) -> list[Any]:
         if isinstance(obj, RankProbe):
             self.probed.append(obj.directory)
@@ -141,7 +147,7 @@ def test_the_strategy_probes_each_sharded_checkpoint_directory_once(tmp_path: Pa
     strategy._check_shared_directory(tmp_path / "a")
     strategy._check_shared_directory(str(tmp_path / "a"))
     strategy._check_shared_directory(tmp_path / "b")
-    strategy._check_shared_directory("s3://bucket/ckpts")  # not a local directory: the sharded save refuses it itself
+    strategy._check_shared_directory("s3://bucket/ckpts")  # not probed: every node reaches an S3 prefix alike
     assert strategy.probed == [str(tmp_path / "a"), str(tmp_path / "b")]
     for sharded, world_size in ((False, 2), (True, 1)):  # one-file checkpoints; one process
         strategy = _Strategy(sharded, world_size)

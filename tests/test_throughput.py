@@ -151,16 +151,23 @@ def test_no_peak_on_xla_cpu_or_the_standin_is_said_once(tmp_path, monkeypatch):
 def test_tensor_parallel_groups_count_once(monkeypatch):
     """8 processes as 4 data-parallel replicas x tensor parallel over 2 (a real `DeviceMesh` over PyTorch's fake
     process group): each group of 2 works on one batch, so totals count 4 replicas, not 8, and MFU is measured
-    against the group's 2 devices. Without the `setup` wrapper every figure would be 2x."""
+    against the group's 2 devices. Without the `setup` wrapper every figure would be 2x. As a Trn2 run at LNC=2,
+    tokens/s and FLOP/s are also given per physical core (a group's over its 2 x 2 cores) and per chip (8 cores), as
+    TorchTitan gives them per device."""
     import torch.distributed as dist
     from lightning.pytorch.trainer.states import RunningStage
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from lightning_trn.hooks import throughput
     from lightning_trn.hooks.throughput import tensor_parallel_size
 
     peak, batch, seconds = 100e12, 4, 0.5
     monkeypatch.setattr(throughput_monitor, "get_available_flops", lambda device, dtype: peak)
+    monkeypatch.setattr(throughput, "_is_neuron_device", lambda device: True)
+    monkeypatch.setenv(CHIP_ENV, "trn2")
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    seq_len = 16
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -179,7 +186,14 @@ def test_tensor_parallel_groups_count_once(monkeypatch):
         monitor.setup(trainer, module, "fit")
         training = monitor._throughputs[RunningStage.TRAINING]
         for step in range(2):
-            training.update(time=step * seconds, batches=step + 1, samples=(step + 1) * batch, flops=FLOPS_PER_BATCH)
+            done = step + 1
+            training.update(
+                time=step * seconds,
+                batches=done,
+                samples=done * batch,
+                lengths=done * batch * seq_len,
+                flops=FLOPS_PER_BATCH,
+            )
         metrics = training.compute()
         # a later setup (validate after fit) counts its own per group, and leaves fit's alone
         trainer.state.stage = RunningStage.VALIDATING
@@ -190,6 +204,11 @@ def test_tensor_parallel_groups_count_once(monkeypatch):
     assert metrics["samples_per_sec"] == 4 * batch / seconds
     assert metrics["flops_per_sec"] == 4 * FLOPS_PER_BATCH / seconds
     assert metrics["device/mfu"] == pytest.approx(FLOPS_PER_BATCH / seconds / (2 * peak))
+    tokens = batch * seq_len / seconds  # one group's
+    assert metrics["core/items_per_sec"] == pytest.approx(tokens / 4)
+    assert metrics["chip/items_per_sec"] == pytest.approx(tokens / 4 * 8)
+    assert metrics["core/flops_per_sec"] == pytest.approx(FLOPS_PER_BATCH / seconds / 4)
+    assert metrics["chip/flops_per_sec"] == pytest.approx(FLOPS_PER_BATCH / seconds / 4 * 8)
     assert monitor._throughputs[RunningStage.TRAINING] is training
     for counted in (training, monitor._throughputs[RunningStage.VALIDATING]):
         assert (counted.world_size, counted.available_flops) == (4, 2 * peak)

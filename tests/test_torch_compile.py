@@ -1,5 +1,6 @@
 """`lightning_trn.compile`: TorchNeuron's `torch.compile` backend on the native backend (the stand-in registers one
-of the same name and limits), the module unchanged on XLA, and `dynamic=True` refused on both."""
+of the same name and limits), the module unchanged on XLA (and the blocks given to `compile_blocks`), and
+`dynamic=True` refused on both."""
 
 from __future__ import annotations
 
@@ -76,3 +77,11 @@ def test_xla_returns_the_module_unchanged() -> None:
     layer = nn.Linear(2, 2)
     assert lightning_trn.compile(layer, mode="max-autotune") is layer
     assert get_runtime().name == "xla"
+
+
+@pytest.mark.xla_only
+def test_xla_leaves_blocks_uncompiled() -> None:
+    """`compile_blocks` on XLA, which compiles each step whole: every block stays as it was, its calls uncompiled."""
+    blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    lightning_trn.compile_blocks(blocks)
+    assert all(block._compiled_call_impl is None for block in blocks)

@@ -96,6 +96,11 @@ def test_two_processes_with_sharded_state_end_like_one_process(reference: Path, 
     consolidate.main([str(sharded / "final.ckpt"), str(tmp_path / "one.ckpt")])
     one_file = torch.load(tmp_path / "one.ckpt", weights_only=True)
     _assert_same_training_state(one_file, _checkpoint(reference / "final.ckpt"))
+    # what a recipe's `export` loads of it: the weights, none of the optimizer state
+    weights = consolidate.model_checkpoint(sharded / "final.ckpt")
+    assert "optimizer_states" not in weights and weights["state_dict"].keys() == one_file["state_dict"].keys()
+    for name, value in one_file["state_dict"].items():
+        assert torch.equal(weights["state_dict"][name], value), name
     # each rank holds its half of every parameter's moments (padded to an even length) and the step counters
     chunks = sum(math.ceil(numel / 2) for numel in NUMELS)
     steps = 4 * len(NUMELS)

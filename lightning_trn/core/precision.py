@@ -45,6 +45,20 @@ DEPRECATED_BF16_VARIABLES = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
 _AUTO_CAST = "--auto-cast"
 
 
+def check_precision(precision: object) -> None:
+    """Refuse a precision outside `SUPPORTED_PRECISION`, listing those (not Lightning's whole list: the plugin refuses
+    fp16 and 64-bit).
+
+    Raises:
+        ValueError: `precision` is not one of `SUPPORTED_PRECISION`.
+    """
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"`accelerator='neuron'` with `precision={precision!r}` is not supported. "
+            f"Choose one of: {', '.join(SUPPORTED_PRECISION)}."
+        )
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
     """Tensors created inside get `dtype` by default (modules built under `Trainer.init_module()`, `torch.zeros`)."""
@@ -84,11 +98,7 @@ class NeuronPrecisionCore:
         stochastic_rounding: bool = True,
         seed: int | None = None,
     ) -> None:
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"`accelerator='neuron'` with `precision={precision!r}` is not supported. "
-                f"Choose one of: {', '.join(SUPPORTED_PRECISION)}."
-            )
+        check_precision(precision)
         super().__init__()
         if master_weights and precision != "bf16-true":
             raise ValueError(f"`master_weights=True` applies to precision='bf16-true' only, got {precision!r}.")

@@ -11,6 +11,7 @@ parallelizing, it gives meta tensors their storage itself, so the strategy's `ma
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,35 @@ from lightning_trn.core.safetensors_blocks import file_shapes, listed, read_into
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def check_local_folder(path: str | Path) -> None:
+    """Refuse, before any Hugging Face Hub call, a `path` that names a local folder which does not exist: an absolute
+    path, one starting with `./`, `../` or `~`, or one with a separator whose parent folder exists (`runs/model`
+    beside an existing `runs/`). Anything else (`org/name`, `gpt2`) is left to transformers, which downloads Hub ids:
+    given a missing folder, it would take the value for a Hub id and spend a minute on retries before a network error.
+
+    Raises:
+        FileNotFoundError: the folder does not exist, or is a file.
+    """
+    text = os.fspath(path)
+    local = Path(text).expanduser()
+    separated = "/" in text or os.sep in text
+    path_like = (
+        local.is_absolute()
+        or text.startswith(("./", "../", "~"))
+        or text in (".", "..")
+        or (separated and local.parent.is_dir())
+    )
+    if not path_like or local.is_dir():
+        return
+    what = "is a file, not a folder" if local.exists() else "does not exist"
+    raise FileNotFoundError(
+        f"{text!r}: the folder {str(local.resolve())!r} {what}. A pretrained model is a save_pretrained folder "
+        "(config.json, *.safetensors and the tokenizer's files); a relative path is read from the working directory "
+        f"({os.getcwd()}). A Hugging Face Hub id (`org/name`) is downloaded only when no folder of that form exists "
+        "here."
+    )
+
+
 def meta_model_from_pretrained(path: str | Path, **from_config_kwargs: Any) -> Module:
     """`AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))` built on the meta device (no memory,
     nothing drawn), for parallelizing and then `load_pretrained(model, path)`. Keyword arguments go to
@@ -45,9 +75,11 @@ def meta_model_from_pretrained(path: str | Path, **from_config_kwargs: Any) -> M
 
     Raises:
         ValueError: the folder's `model_type` is not one of `SUPPORTED_MODEL_TYPES`.
+        FileNotFoundError: `path` names a local folder that does not exist (`check_local_folder`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_local_folder(path)
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -82,13 +114,19 @@ def load_pretrained(
     Raises:
         ValueError: names missing from the files, names the module lacks, shapes that differ (a few of each are
             listed), or meta tensors with no `device` to put them on.
-        FileNotFoundError: the folder has no safetensors weights.
+        FileNotFoundError: the folder does not exist or has no safetensors weights.
     """
     groups = _tensor_groups(module)
     if _fake_mode_active():
         _give_storage(module, groups, device)
         return module
-    files = weight_files(Path(path))
+    if not Path(path).expanduser().is_dir():
+        check_local_folder(path)
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a local folder: load_pretrained reads a save_pretrained folder on this machine "
+            "(fetch a Hugging Face Hub model first, e.g. with `huggingface_hub.snapshot_download`)."
+        )
+    files = weight_files(Path(path).expanduser())
     shapes = file_shapes(files)
     names = {name for group in groups for name in group[0]}
     prefix = _find_prefix(names, set(shapes)) if prefix is None else prefix

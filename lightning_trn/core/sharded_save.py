@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import re
@@ -53,6 +54,7 @@ from contextlib import contextmanager
 
 from lightning.fabric.utilities.types import _PATH
 
+from lightning_trn.core import s3_checkpoint
 from lightning_trn.core.checkpoint_file import fsync_directory
 
 log = logging.getLogger(__name__)
@@ -229,8 +231,8 @@ def recover_before_resume(
     barrier: Callable[[], None] | None = None,
     timeout_s: float = RECOVERY_TIMEOUT_S,
 ) -> None:
-    """Before a checkpoint is chosen or loaded from `directories`: rank 0 runs `recover_all` on each local one (a
-    remote checkpoint, `s3://...`, is one object, never left aside; "" is the working directory); the
+    """Before a checkpoint is chosen or loaded from `directories`: rank 0 runs `recover_all` on each local one ("" is
+    the working directory), and deletes what killed saves left in each `s3://` one (`s3_checkpoint.sweep`); the
     other ranks wait for it, at `barrier` (Fabric's `load`), or, where no process group exists yet (the Trainer
     resolves `ckpt_path` before its strategy's setup), by watching the directories until no checkpoint there is left
     aside without its name.
@@ -238,10 +240,13 @@ def recover_before_resume(
     Raises:
         TimeoutError: a rank other than 0 still saw an interrupted commit after `timeout_s` seconds.
     """
-    local = sorted({os.path.abspath(os.fspath(d)) for d in directories if "://" not in os.fspath(d)})
+    names = [os.fspath(d) for d in directories]
+    local = sorted({os.path.abspath(name) for name in names if "://" not in name})
     if rank == 0:
         for directory in local:
             recover_all(directory)
+        for remote in sorted({name for name in names if s3_checkpoint.is_s3(name)}):
+            s3_checkpoint.sweep(remote)
     if barrier is not None:
         barrier()
         return
@@ -291,8 +296,14 @@ def _commit(staging: str, path: str) -> None:
     _delete_copy(previous, path)
 
 
+def _no_commit() -> None:
+    """The commit of a rank other than 0: rank 0 commits for all."""
+
+
 @contextmanager
-def staged_directory(path: _PATH, rank: int, barrier: Callable[[], None]) -> Iterator[str]:
+def staged_directory(
+    path: _PATH, rank: int, barrier: Callable[[], None], defer: Callable[[Callable[[], None]], None] | None = None
+) -> Iterator[str]:
     """Every rank saves its part of the sharded checkpoint `path` into the directory this yields; on leaving the
     block, it becomes `path` atomically once all ranks are done (module docstring). A rank that raises leaves `path`
     as it was (the other ranks then fail in the barrier, or time out there).
@@ -301,6 +312,9 @@ def staged_directory(path: _PATH, rank: int, barrier: Callable[[], None]) -> Ite
         path: the checkpoint directory, local.
         rank: this process's global rank; rank 0 prepares and commits.
         barrier: waits for every rank.
+        defer: for a save whose writes go on after the block (`lightning_trn.core.async_save`): on leaving the block,
+            each rank hands it the commit (step 3 on rank 0, nothing on the others) to run once its writes are done,
+            instead of the barrier and the commit.
     """
     if "://" in os.fspath(path):
         raise ValueError(f"Sharded checkpoints are written to local directories, not {path}.")
@@ -310,6 +324,9 @@ def staged_directory(path: _PATH, rank: int, barrier: Callable[[], None]) -> Ite
         _prepare(path, staging)
     barrier()
     yield staging
+    if defer is not None:
+        defer(functools.partial(_commit, staging, path) if rank == 0 else _no_commit)
+        return
     barrier()
     if rank == 0:
         _commit(staging, path)

@@ -76,9 +76,8 @@ class SharedDirectoryReport:
             "checkpoint would fail to load, or resume from parts of different steps. Point the checkpoint directory "
             "(ModelCheckpoint's `dirpath`, or the Trainer's `default_root_dir` when it has none; the path given to "
             "`trainer.save_checkpoint` or `fabric.save`) at a filesystem every node mounts at the same path, such as "
-            "FSx for Lustre or EFS. Sharded checkpoints are not written to `s3://`; a single-file checkpoint, which "
-            "rank 0 writes alone (`save_distributed_checkpoint=False`, FSDP or ZeRO-1 `state_dict_type='full'`), can "
-            "go there."
+            "FSx for Lustre or EFS, or to `s3://bucket/prefix` (FSDP and model-parallel checkpoints; a single-file "
+            "checkpoint, which rank 0 writes alone, with any strategy)."
         )
 
     def _visibility(self) -> str:

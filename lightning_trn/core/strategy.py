@@ -21,6 +21,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_trn.core import s3_checkpoint
+from lightning_trn.core.async_save import AsyncCheckpointer
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
 from lightning_trn.core.process_group import ProcessGroup, explain_failure
@@ -171,7 +173,9 @@ class NeuronStrategyCore(_LightningStrategy):
     @override
     def setup_environment(self) -> None:
         """A multi-process strategy claims this process's NeuronCore and joins the process group first: TorchNeuron
-        refuses a `neuron` process group once a device tensor exists (the accelerator's setup runs a probe on it)."""
+        refuses a `neuron` process group once a device tensor exists (the accelerator's setup runs a probe on it).
+        A checkpoint IO the strategy cannot serve is refused before that, so a refused run leaves no process group."""
+        self._check_async_save()
         if self._process_group is not None:
             self._claim_device()
             self._setup_distributed()
@@ -180,6 +184,11 @@ class NeuronStrategyCore(_LightningStrategy):
 
     @override
     def teardown(self) -> None:
+        """An asynchronous save in flight is written and committed first (at the end of `fit`, and on the exception
+        path a SIGTERM takes): Lightning's sharded strategies never tear their checkpoint IO down."""
+        saver = self._async_checkpointer()
+        if saver is not None:
+            saver.wait()
         super().teardown()
         if self._process_group is not None:
             self._process_group.env.restore()
@@ -377,6 +386,12 @@ class NeuronStrategyCore(_LightningStrategy):
         """Refuse a sharded checkpoint directory that not every rank shares (`lightning_trn.core.shared_storage`):
         probed once per directory, on every rank together, when several ranks write sharded checkpoints into it."""
         directory = os.fspath(directory)
+        if self._saves_sharded() and "://" in directory:  # S3 takes DCP directories only (`s3_checkpoint.refusal`)
+            reason = s3_checkpoint.refusal(
+                directory, self._writes_dcp_directories(), self._async_checkpointer() is not None
+            )
+            if reason is not None:
+                raise ValueError(reason)
         if not self._saves_sharded() or self.world_size <= 1 or "://" in directory:
             return
         directory = os.path.abspath(directory)
@@ -387,11 +402,53 @@ class NeuronStrategyCore(_LightningStrategy):
     def _save_destination(self, path: Any) -> AbstractContextManager[Any]:
         """Where this rank saves a checkpoint for `path`: `path` itself; for a sharded checkpoint a staging directory
         that replaces `path` atomically once every rank is done (`lightning_trn.core.sharded_save`), in a directory
-        every rank was found to share."""
+        every rank was found to share; for one in S3, a local directory whose files become a new version there, made
+        the checkpoint by a commit object (`lightning_trn.core.s3_checkpoint`)."""
         if self._saves_sharded():
             self._check_shared_directory(os.path.dirname(os.fspath(path)))
-            return staged_directory(path, self.global_rank, self.barrier)
+            if s3_checkpoint.is_s3(path):
+                return s3_checkpoint.staged_upload(
+                    os.fspath(path), self.global_rank, self._gather_objects, self.barrier
+                )
+            saver = self._async_checkpointer()
+            if saver is None:
+                return staged_directory(path, self.global_rank, self.barrier)
+            saver.wait()  # rank 0 commits the previous save before it prepares this one's staging directory
+            return staged_directory(path, self.global_rank, self.barrier, defer=saver.defer)
         return nullcontext(path)
+
+    def _load_source(self, path: Any) -> AbstractContextManager[Any]:
+        """What Lightning's load of `path` reads (every rank): `path` itself; for a sharded checkpoint in S3, a local
+        directory whose DCP reads go to the committed version (`lightning_trn.core.s3_checkpoint`)."""
+        if s3_checkpoint.is_s3(path) and self._writes_dcp_directories():
+            return s3_checkpoint.committed_source(os.fspath(path), self.barrier)
+        return nullcontext(path)
+
+    def _async_checkpointer(self) -> AsyncCheckpointer | None:
+        """The background writer of `NeuronCheckpointIO(async_save=True)`, or None (saves are synchronous)."""
+        io = self._checkpoint_io
+        return io.async_checkpointer if isinstance(io, NeuronCheckpointIO) else None
+
+    def _writes_dcp_directories(self) -> bool:
+        """Whether checkpoints are torch.distributed.checkpoint directories (what `async_save` writes)."""
+        return False
+
+    def _check_async_save(self) -> None:
+        """Refuse `NeuronCheckpointIO(async_save=True)` where checkpoints are not DCP directories."""
+        if self._async_checkpointer() is not None and not self._writes_dcp_directories():
+            raise ValueError(
+                f"NeuronCheckpointIO(async_save=True) writes the torch.distributed.checkpoint directories of the "
+                f"sharded strategies (model-parallel and FSDP with sharded checkpoints, native backend); "
+                f"{type(self).__name__} writes {'ZeRO-1 directories' if self._saves_sharded() else 'one file'}, "
+                "which it saves synchronously. Drop `async_save=True`, or for one-file checkpoints wrap the "
+                "checkpoint IO in Lightning's `AsyncCheckpointIO`."
+            )
+
+    def _save_in_background(self, saver: AsyncCheckpointer, state: dict[str, Any], directory: str) -> None:
+        """Called on every rank inside `_save_destination`'s block: write the checkpoint `state` (the Trainer's
+        checkpoint dict, Fabric's state) into the DCP staging `directory` through `saver`. Implemented by the
+        strategies whose `_writes_dcp_directories` is true."""
+        raise NotImplementedError
 
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         """Hook between backward and the optimizer update (data-parallel strategies average the gradients there);

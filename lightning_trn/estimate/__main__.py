@@ -1,31 +1,24 @@
-"""`python -m lightning_trn.estimate <recipe> [key=value ...] [--platform=trn1|trn2|trn3]`: will this recipe's job
-fit? Loads the recipe's config as `python -m lightning_trn.recipes.<recipe>` does (the same `preset=` and
+"""`python -m lightning_trn.estimate <recipe> [key=value ...] [--platform=trn1|trn2|trn3] [--plan]`: will this
+recipe's job fit? Loads the recipe's config as `python -m lightning_trn.recipes.<recipe>` does (the same `preset=` and
 overrides), simulates one training step of rank 0 at the job's world size (`lightning_trn.estimate.estimate`),
 prints the memory and collectives tables, and exits 0 if the peak fits a core, 1 if not.
 
-Without Trainium it runs on the `neuron` stand-in (set before `lightning_trn` loads: 64 devices, the most one node
-of the presets has), native stack; nothing is allocated.
+It runs the same with or without `LIGHTNING_TRN_STANDIN`: without Trainium on the CPU stand-in (loaded here when
+no Neuron stack is installed), with as many devices as the job's node has; nothing is allocated. The first line
+says which stack and platform are simulated. Exit 2 with a paragraph when the job cannot be simulated (the XLA
+stack's torch, Lightning refusing the configuration, a module the simulation cannot run).
+
+`--plan` (the `llm` recipe under `trainer.strategy=model_parallel`): every tensor-parallel size that divides the
+node's devices and the model's heads, with and without activation checkpointing, at micro-batches 1, 2, 4, ...
+(`data.batch_size`): a table of the largest micro-batch that fits per layout; exit 0 if any fits.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any, cast
-
-#: the device count the stand-in offers for the simulation: the largest node (trn2.48xlarge: 64 logical cores)
-STANDIN_DEVICES = 64
-
-
-def _use_standin() -> None:
-    """Load the stand-in `neuron` device where no Neuron stack is installed (the usual laptop case); `lightning_trn`
-    itself is imported already (`-m` imports the parent package first), the stand-in not unless asked for."""
-    if importlib.util.find_spec("torch_neuronx") is None:
-        os.environ.setdefault("LIGHTNING_TRN_STANDIN_DEVICES", str(STANDIN_DEVICES))
-        os.environ.setdefault("LIGHTNING_TRN_BACKEND", "native")
-        import lightning_trn.standin  # noqa: F401
 
 
 def recipe_batch(recipe: Any, cfg: Any) -> Any:
@@ -48,14 +41,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     platform = next((arg.split("=", 1)[1] for arg in args if arg.startswith("--platform=")), None)
-    name, overrides = args[0], [arg for arg in args[1:] if not arg.startswith("--platform=")]
-    _use_standin()
+    planning = "--plan" in args
+    name, overrides = args[0], [arg for arg in args[1:] if not arg.startswith("--platform=") and arg != "--plan"]
 
     import lightning.pytorch as pl
     from omegaconf import OmegaConf
 
-    from lightning_trn.estimate import CAPACITY_GIB, estimate
+    from lightning_trn.estimate import CAPACITY_GIB, RECIPE, EstimateError, estimate, native_device
     from lightning_trn.recipes.cli import load_config
+
+    try:
+        native_device()  # before the recipe builds anything: the stand-in where no Neuron stack is installed
+    except EstimateError as err:
+        print(err, file=sys.stderr)
+        return 2
 
     recipe = importlib.import_module(f"lightning_trn.recipes.{name}").RECIPE
     try:
@@ -75,9 +74,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         pl.seed_everything(cfg.seed, verbose=False)
         return recipe.build_model(cfg)
 
-    result = estimate(module_factory, recipe_batch(recipe, cfg), platform=platform, **trainer_args)
+    if planning:
+        return _plan(recipe, overrides, cfg, platform)
+    try:
+        result = estimate(module_factory, recipe_batch(recipe, cfg), platform=platform, caller=RECIPE, **trainer_args)
+    except EstimateError as err:
+        print(err, file=sys.stderr)
+        return 2
     print(result.format())
     return 0 if result.fits else 1
+
+
+def _plan(recipe: Any, overrides: list[str], cfg: Any, platform: str | None) -> int:
+    """`--plan`: the recipe's job re-laid out (`lightning_trn.estimate.plan`), printed as a table."""
+    import lightning.pytorch as pl
+    from omegaconf import OmegaConf
+
+    from lightning_trn.estimate import RECIPE, EstimateError
+    from lightning_trn.estimate.plan import format_plan, plan
+    from lightning_trn.recipes.cli import load_config
+
+    if recipe.name != "llm" or cfg.trainer.get("strategy") != "model_parallel":
+        print("--plan lays out the llm recipe under trainer.strategy=model_parallel.", file=sys.stderr)
+        return 2
+    # tensor parallelism splits the node's devices and the key/value heads (num_heads is a multiple of them)
+    devices, heads = int(cfg.trainer.devices), int(cfg.model.num_kv_heads)
+    sizes = [size for size in (1, 2, 4, 8, 16, 32, 64) if devices % size == 0 and heads % size == 0]
+
+    def job(size: int, checkpointing: bool, micro_batch: int) -> tuple[Any, Any, dict[str, Any]]:
+        layout = [
+            f"model.tensor_parallel_size={size}",
+            f"model.activation_checkpointing={str(checkpointing).lower()}",
+            f"data.batch_size={micro_batch}",
+        ]
+        each = load_config(recipe, [*overrides, *layout])
+        trainer_args = cast(dict[str, Any], OmegaConf.to_container(each.trainer, resolve=True))
+        trainer_args.update(recipe.trainer_args(each))
+
+        def module_factory() -> pl.LightningModule:
+            pl.seed_everything(each.seed, verbose=False)
+            return recipe.build_model(each)
+
+        return module_factory, recipe_batch(recipe, each), trainer_args
+
+    try:
+        layouts = plan(job, sizes, platform=platform, caller=RECIPE)
+    except EstimateError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(format_plan(layouts))
+    return 0 if any(layout.micro_batch is not None for layout in layouts) else 1
 
 
 if __name__ == "__main__":

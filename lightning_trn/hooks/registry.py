@@ -1,13 +1,15 @@
 """Every Lightning (and torch) internal that lightning_trn replaces, in one list, and when it is in place.
 
-At `import lightning_trn` (`lightning_trn.registration`): four `_AcceleratorConnector` methods that choose the
-accelerator, strategy and precision, and (`lightning_trn.hooks.throughput`) the peak-FLOPs and compute-dtype lookups of
-`ThroughputMonitor`. They hand every run, device and plugin that is not a Neuron one to Lightning's originals.
+At `import lightning_trn` (`lightning_trn.registration`): five `_AcceleratorConnector` methods that check the precision
+flag and choose the accelerator, strategy and precision, and (`lightning_trn.hooks.throughput`) the peak-FLOPs and
+compute-dtype lookups of `ThroughputMonitor`. They hand every run, device and plugin that is not a Neuron one to
+Lightning's originals.
 
 For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyBase.setup` to its `teardown`, after
 which Lightning's originals are back, so a CPU or GPU run in the same process runs Lightning's own code. Each saves
 host time or a device sync per step on Neuron and gives Lightning's result (tests/test_logging_fast_path.py,
-tests/test_loop_shortcuts.py), or makes torch's activation checkpointing work on the run's device
+tests/test_loop_shortcuts.py), or frees the previous step's gradients before the forward instead of after it
+(`zero_grad`, tests/test_zero_grad_first.py), or makes torch's activation checkpointing work on the run's device
 (`activation_checkpointing`, tests/test_activation_checkpointing.py), or gives random ops on `neuron` DTensors
 independent values per shard (`DTENSOR_RANDOM_HOOKS`, torch's tracker; tests/standin/test_dtensor_random.py); each is
 skipped where the Lightning (or torch) version is untested or lacks what it replaces. Fabric has no teardown: its
@@ -26,16 +28,31 @@ from typing import Any
 
 import lightning
 import torch
+import torch.distributed
 import torch.distributed.tensor._random
 import torch.utils.checkpoint
+from lightning.fabric.strategies import model_parallel as fabric_model_parallel
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loops import _EvaluationLoop, _FitLoop, _PredictionLoop
+from lightning.pytorch.loops.optimization.automatic import Closure
+from lightning.pytorch.strategies import model_parallel as trainer_model_parallel
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 from packaging.version import Version
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import _sharding_prop, _utils
 from torchmetrics import Metric
 
 from lightning_trn.core import dtensor_random
-from lightning_trn.hooks import activation_checkpointing, host_copies, loaders, loop_shortcuts, metric_states
+from lightning_trn.hooks import (
+    activation_checkpointing,
+    host_copies,
+    loaders,
+    loop_shortcuts,
+    metric_states,
+    s3_checkpoint,
+    simulation,
+    zero_grad,
+)
 from lightning_trn.hooks import logging as logging_hooks
 
 #: Lightning versions whose internals the hooks were written against, as pyproject.toml's range: the suite runs on
@@ -45,9 +62,20 @@ _ABSENT = object()
 _NOT_INSTALLED = object()
 
 
+#: torch versions whose internals `SIMULATION_HOOKS` (and the estimator's use of torch's memory trackers) were written
+#: against: the native stack's torch 2.13; another version is refused by `lightning_trn.estimate`
+TESTED_TORCH_SIMULATION = (Version("2.13.0"), Version("2.14.0"))
+
+
 def lightning_version_tested() -> bool:
     """Whether the installed Lightning is one the hooks were tested against."""
     return TESTED_LIGHTNING[0] <= Version(lightning.__version__) < TESTED_LIGHTNING[1]
+
+
+def simulation_torch_tested() -> bool:
+    """Whether the installed torch is one `SIMULATION_HOOKS` were tested against (local builds' `+cpu` suffixes
+    ignored)."""
+    return TESTED_TORCH_SIMULATION[0] <= Version(Version(torch.__version__).base_version) < TESTED_TORCH_SIMULATION[1]
 
 
 @dataclass(frozen=True)
@@ -76,6 +104,26 @@ DTENSOR_RANDOM_HOOKS: tuple[Hook, ...] = (
     Hook(torch.distributed.tensor._random, "_rng_tracker", dtensor_random.tracker_for_neuron_run),
 )
 
+#: Lightning's DCP reads and writes of the model-parallel strategies (the Trainer's saves, and every load, go through
+#: Fabric's module): a local shadow directory of an `s3://` checkpoint goes to S3 (`lightning_trn.hooks.s3_checkpoint`).
+#: Installed by the Neuron strategies' `save_checkpoint` and `load_checkpoint` for the call (Trainer and Fabric)
+S3_CHECKPOINT_HOOKS: tuple[Hook, ...] = (
+    Hook(trainer_model_parallel, "_distributed_checkpoint_save", s3_checkpoint.redirecting_save),
+    Hook(fabric_model_parallel, "_distributed_checkpoint_save", s3_checkpoint.redirecting_save),
+    Hook(fabric_model_parallel, "_distributed_checkpoint_load", s3_checkpoint.redirecting_load),
+)
+
+#: torch internals patched while `lightning_trn.estimate` simulates a job on fake tensors and a fake process group
+#: (`lightning_trn.hooks.simulation`), restored after it; the estimator refuses to run where
+#: `simulation_torch_tested()` is False
+SIMULATION_HOOKS: tuple[Hook, ...] = (
+    Hook(DeviceMesh, "__init__", simulation.on_real_tensors),
+    Hook(_utils, "compute_local_shape_and_global_offset", simulation.on_real_tensors),
+    Hook(torch.utils, "swap_tensors", simulation.swap_unless_unchanged),
+    Hook(_sharding_prop, "detect_fake_mode", simulation.own_propagation_mode),
+    Hook(torch.distributed, "new_group", simulation.fake_host_groups),
+)
+
 HOOKS: tuple[Hook, ...] = (
     Hook(result, "convert_tensors_to_scalars", logging_hooks.conversion_unless_deferred),
     Hook(logger_connector._LoggerConnector, "metrics", logging_hooks.deferring_metrics),
@@ -83,6 +131,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(logger_connector._LoggerConnector, "log_metrics", logging_hooks.logging_from_host),
     Hook(Metric, "reset", metric_states.reset_from_host),
     Hook(Trainer, "_teardown", host_copies.teardown_in_one_transfer),
+    Hook(Closure, "closure", zero_grad.zero_grad_first),
     Hook(LightningModule, "log", logging_hooks.log_fast_path),
     Hook(LightningModule, "__setattr__", loop_shortcuts.fx_name_setattr),
     *(

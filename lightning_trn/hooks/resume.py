@@ -10,6 +10,10 @@ newest `last*.ckpt` of every `ModelCheckpoint`'s directory; "hpc": SLURM's `hpc_
 strategy, rank 0 first runs `recover_all` on the directories the checkpoint is looked for in and the other ranks wait
 until nothing there is left aside (`sharded_save.recover_before_resume`); every other strategy gets Lightning's method
 unchanged. Fabric has no such resolution: its Neuron strategies recover the directory of the path `fabric.load` gets.
+
+`ckpt_path="last"` with `s3://` checkpoint directories: the newest `last*.ckpt` there that has a commit object
+(`lightning_trn.core.s3_checkpoint`), when there is one; in a run whose checkpoint directories are both local and in
+S3, the S3 one is taken first.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_registry import _is_registry
 
+from lightning_trn.core import s3_checkpoint
 from lightning_trn.core.sharded_save import recover_before_resume
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks.registry import lightning_version_tested
@@ -68,6 +73,14 @@ def checkpoint_directories(trainer: Any, ckpt_path: Any) -> list[str]:
     return [os.fspath(directory) for directory in directories]
 
 
+def _newest_last_in_s3(directories: list[str]) -> str | None:
+    """The newest committed `last*.ckpt` of the `s3://` directories (`lightning_trn.core.s3_checkpoint`), or None.
+    Lightning's own "last" lists a directory through fsspec, whose S3 names lack the `s3://` (so it never finds one),
+    and would count a checkpoint whose save was killed before its commit object."""
+    remote = [directory for directory in directories if s3_checkpoint.is_s3(directory)]
+    return s3_checkpoint.newest_committed(remote) if remote else None
+
+
 def recovering_select_ckpt_path(original: Callable[..., Any]) -> Callable[..., Any]:
     """`_CheckpointConnector._select_ckpt_path`, after `recover_before_resume` on a Neuron strategy's run."""
 
@@ -77,7 +90,10 @@ def recovering_select_ckpt_path(original: Callable[..., Any]) -> Callable[..., A
         strategy = trainer.strategy
         if isinstance(strategy, NeuronStrategyCore):
             path = self._ckpt_path if ckpt_path is None and self._user_managed else ckpt_path
-            recover_before_resume(checkpoint_directories(trainer, path), _rank_before_setup(strategy))
+            directories = checkpoint_directories(trainer, path)
+            recover_before_resume(directories, _rank_before_setup(strategy))
+            if path == "last":
+                ckpt_path = _newest_last_in_s3(directories) or ckpt_path
         return original(self, state_fn, ckpt_path, *args, **kwargs)
 
     select._lightning_trn = True  # type: ignore[attr-defined]  # marks the wrapper: installed once

@@ -12,6 +12,13 @@ counts every process as a replica (`world_size`): samples, tokens and FLOPs woul
 group, and MFU measured against one device's peak. Its `setup` is wrapped too, so each tensor-parallel group counts
 once: the totals are over `world_size / tp` replicas, the `device/*` rates are per group, and MFU is the group's
 FLOP/s over the group's peak (`tp` devices).
+
+TorchTitan reports tokens/s and FLOP/s per device (its `tps` and `tflops`) with MFU; on Trainium a device (a process)
+is a logical core of one or more physical NeuronCores, several to a chip. On a Neuron run whose chip is known the
+monitor adds `chip/items_per_sec`, `core/items_per_sec`, `chip/flops_per_sec` and `core/flops_per_sec` (items are the
+recipe's tokens): the per-replica rates spread over the replica's devices (a tensor-parallel group counted once), then
+per physical core and per chip (`CORES_PER_CHIP`). `device/mfu` is already TorchTitan's MFU: a ratio, the same per
+device, core or chip.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
 }
 
 
+#: physical NeuronCores per chip, from the same pages: Trainium 2, Trainium2 8, Trainium3 8
+CORES_PER_CHIP = {"trn1": 2, "trn2": 8, "trn3": 8}
+
+
 def peak_flops(chip: str, dtype: torch.dtype, cores_per_device: int = 1) -> float | None:
     """Dense peak FLOP/s of one device (one process) on `chip` in `dtype`; `cores_per_device`: physical
     NeuronCores per logical core. None for a dtype the table lacks."""
@@ -61,15 +72,23 @@ def _say_no_peak(platform: str) -> None:
     )
 
 
-def device_peak_flops(dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of this process's NeuronCore in `dtype`, or None (said once) where the chip is unknown."""
-    runtime = get_runtime()
-    chip = os.environ.get(CHIP_ENV, "").strip().lower() or runtime.chip()
+def chip_and_cores() -> tuple[str, int] | None:
+    """The chip this process runs on (`CHIP_ENV`, else the driver's) and its physical NeuronCores per process (per
+    logical core), or None where the chip is unknown."""
+    chip = os.environ.get(CHIP_ENV, "").strip().lower() or get_runtime().chip()
     if not chip:
-        _say_no_peak(runtime.describe_platform())
         return None
     # Trn2/Trn3: the validated NEURON_LOGICAL_NC_CONFIG, else the runtime's default (2) for 8-core devices
-    cores = 1 if chip == "trn1" else logical_core_config(counts=[LNC_DEVICE_CORES])
+    return chip, 1 if chip == "trn1" else logical_core_config(counts=[LNC_DEVICE_CORES])
+
+
+def device_peak_flops(dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of this process's NeuronCore in `dtype`, or None (said once) where the chip is unknown."""
+    found = chip_and_cores()
+    if found is None:
+        _say_no_peak(get_runtime().describe_platform())
+        return None
+    chip, cores = found
     return peak_flops(chip, dtype, cores)
 
 
@@ -118,20 +137,42 @@ def tensor_parallel_size(pl_module: Any) -> int:
     return mesh["tensor_parallel"].size()
 
 
+def per_chip_and_core(throughput: Any, devices_per_replica: int, cores_per_device: int, chip: str) -> None:
+    """Add the `chip/` and `core/` rates to what `throughput.compute` returns (module docstring): a replica's
+    `device/` rates over its `devices_per_replica` devices of `cores_per_device` physical cores each."""
+    compute = throughput.compute
+    separator = throughput.separator
+    per_core = 1 / (devices_per_replica * cores_per_device)
+    scales = {"core": per_core, "chip": per_core * CORES_PER_CHIP[chip]}
+
+    @functools.wraps(compute)
+    def with_chip_and_core(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        metrics = compute(*args, **kwargs)
+        for rate in ("items_per_sec", "flops_per_sec"):
+            replica = metrics.get(f"device{separator}{rate}")
+            if replica is not None:
+                metrics.update({f"{unit}{separator}{rate}": replica * scale for unit, scale in scales.items()})
+        return metrics
+
+    throughput.compute = with_chip_and_core
+
+
 def _monitor_setup(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def setup(self: Any, trainer: Any, pl_module: Any, stage: str) -> None:
         before = dict(self._throughputs)
         original(self, trainer, pl_module, stage)
         tp = tensor_parallel_size(pl_module)
-        if tp == 1:
-            return
+        found = chip_and_cores() if _is_neuron_device(trainer.strategy.root_device) else None
         for key, throughput in self._throughputs.items():
             if before.get(key) is throughput:  # made by an earlier setup: already counted per group
                 continue
-            throughput.world_size = trainer.world_size // tp
-            if throughput.available_flops:
-                throughput.available_flops *= tp
+            if tp > 1:
+                throughput.world_size = trainer.world_size // tp
+                if throughput.available_flops:
+                    throughput.available_flops *= tp
+            if found is not None:
+                per_chip_and_core(throughput, tp, found[1], found[0])
 
     return setup
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_trn import NeuronHealthCheck
@@ -20,6 +25,11 @@ def rows_in_batch(batch: Any) -> int:
     return len(batch["y"])
 
 
+#: `logger=` values: Lightning's logger classes, each writing under `<out_dir>/logs`
+LOGGERS = ("csv", "tensorboard")
+#: Lightning's warning for any multi-rank `validate` / `test`: the recipes' evaluation splits are whole batches on every
+#: rank (`tensor_datamodule.evaluation_multiple`), so its sampler repeats no sample
+_EVALUATION_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.(validate|test)\(\)`"
 #: value checks beyond the type (omegaconf checks types only): (test, what "expected a value ..." goes on to say)
 Check = tuple[Callable[[Any], bool], str]
 POSITIVE: Check = (lambda v: v > 0, "greater than 0")
@@ -52,7 +62,7 @@ class RecipeConfig:
     YAML. `trainer` is open: any key, passed to `lightning.pytorch.Trainer` as it is (Lightning checks the values)."""
 
     seed: int = doc("seed of every random generator (seed_everything with workers): weights, data splits, shuffling")
-    out_dir: str = doc("directory of the run: logs/metrics.csv and checkpoints/last.ckpt")
+    out_dir: str = doc("directory of the run: logs/ (metrics.csv or TensorBoard's files) and checkpoints/last.ckpt")
     ckpt_path: str | None = doc(
         "resume from this checkpoint (e.g. runs/<recipe>/checkpoints/last.ckpt); null: start afresh"
     )
@@ -60,6 +70,11 @@ class RecipeConfig:
         "also write last.ckpt every this many optimizer steps, mid-epoch (0: at epoch ends only)", NON_NEGATIVE
     )
     trainer: dict[str, Any] = doc("keyword arguments of lightning.pytorch.Trainer, any key, passed as they are")
+    logger: str = doc(
+        "csv: logs/metrics.csv (Lightning's CSVLogger) | tensorboard: TensorBoard event files in logs/ (Lightning's"
+        " TensorBoardLogger; `tensorboard --logdir <out_dir>/logs`)",
+        (lambda v: v in LOGGERS, f"one of {', '.join(LOGGERS)}"),
+    )
     ops: Ops = doc("operations callbacks (docs/operations.md)")
 
 
@@ -116,8 +131,9 @@ def checkpoint_callbacks(dirpath: Path, every_n_steps: int = 0) -> list[Callback
 
 
 def build_trainer(cfg: DictConfig, recipe: Recipe | None = None) -> pl.Trainer:
-    """`Trainer(**cfg.trainer)` writing logs (`metrics.csv`) and checkpoints (`last.ckpt`) under `cfg.out_dir`, with
-    the `ops.*` callbacks the config turns on; `recipe` (if given) adds its Trainer arguments and throughput counts."""
+    """`Trainer(**cfg.trainer)` writing logs (`logs/`, `cfg.logger`'s) and checkpoints (`last.ckpt`) under
+    `cfg.out_dir`, with the `ops.*` callbacks the config turns on; `recipe` (if given) adds its Trainer arguments and
+    throughput counts."""
     out_dir = Path(cfg.out_dir)
     callbacks: list[Callback] = checkpoint_callbacks(out_dir / "checkpoints", cfg.ckpt_every_n_steps)
     if cfg.ops.throughput:
@@ -129,12 +145,22 @@ def build_trainer(cfg: DictConfig, recipe: Recipe | None = None) -> pl.Trainer:
     trainer_args = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))  # a mapping section
     if recipe is not None and recipe.trainer_args is not None:
         trainer_args.update(recipe.trainer_args(cfg))
+    logger_class = TensorBoardLogger if cfg.logger == "tensorboard" else CSVLogger
     return pl.Trainer(
         **trainer_args,
         default_root_dir=out_dir,
-        logger=CSVLogger(out_dir, name="logs", version=""),
+        logger=logger_class(out_dir, name="logs", version=""),
         callbacks=callbacks,
     )
+
+
+@contextmanager
+def _evaluation_without_repeats() -> Iterator[None]:
+    """Lightning's warning that a multi-rank evaluation may count samples twice left out: the recipes' data modules
+    pad evaluation splits to whole batches on every rank, so none is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_EVALUATION_SAMPLER_WARNING, category=PossibleUserWarning)
+        yield
 
 
 def fit(recipe: Recipe, cfg: DictConfig) -> tuple[pl.LightningModule, dict[str, Any]]:
@@ -148,8 +174,9 @@ def fit(recipe: Recipe, cfg: DictConfig) -> tuple[pl.LightningModule, dict[str, 
     model = recipe.build_model(cfg)
     trainer = build_trainer(cfg, recipe)
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
-    summary = recipe.summary(trainer, model, data) if recipe.summary is not None else {}
-    results = trainer.test(model, datamodule=data, verbose=False)[0]
+    with _evaluation_without_repeats():
+        summary = recipe.summary(trainer, model, data) if recipe.summary is not None else {}
+        results = trainer.test(model, datamodule=data, verbose=False)[0]
     callback = trainer.checkpoint_callback
     checkpoint = callback.last_model_path if isinstance(callback, ModelCheckpoint) else ""
     if trainer.is_global_zero:
@@ -161,12 +188,23 @@ def fit(recipe: Recipe, cfg: DictConfig) -> tuple[pl.LightningModule, dict[str, 
 
 
 def load_module(recipe: Recipe, checkpoint: str) -> pl.LightningModule:
-    """Load a recipe checkpoint on the CPU (no torch_xla needed) with `weights_only=True`."""
-    return recipe.module_class.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True)
+    """Load a recipe checkpoint on the CPU (no torch_xla needed) with `weights_only=True`: a checkpoint file, or a
+    sharded strategy's directory (`model_parallel`, `fsdp`, ZeRO-1 `sharded`), whose model weights are consolidated
+    first into a scratch file beside it (`lightning_trn.consolidate.model_checkpoint`: no optimizer state)."""
+    if not Path(checkpoint).is_dir():
+        return recipe.module_class.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True)
+    from lightning_trn.consolidate import model_checkpoint
+
+    print(f"[{recipe.name}] {checkpoint} is a sharded checkpoint directory: consolidating its model weights")
+    with tempfile.TemporaryDirectory(prefix=".consolidated-", dir=Path(checkpoint).resolve().parent) as scratch:
+        file = Path(scratch) / "model.ckpt"
+        torch.save(model_checkpoint(checkpoint), file)
+        return recipe.module_class.load_from_checkpoint(file, map_location="cpu", weights_only=True)
 
 
 def export(recipe: Recipe, checkpoint: str, out: str) -> Path:
-    """Write the checkpoint's model to `out` in the recipe's GPU-friendly format."""
+    """Write the checkpoint's model (a file or a sharded directory, `load_module`) to `out` in the recipe's
+    GPU-friendly format."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     recipe.export(load_module(recipe, checkpoint).eval(), out_dir)

@@ -2,7 +2,7 @@
 
 Every batch has exactly `batch_size` rows, so the compiled step graph is reused for all of them (XLA compiles per
 shape). Padding rows repeat row 0 with `weight` 0; losses and metrics multiply by `weight`, so nothing is dropped
-and nothing is counted twice.
+and nothing is counted twice; evaluation splits are padded to whole batches on every data-parallel rank.
 """
 
 from __future__ import annotations
@@ -23,6 +23,17 @@ def shuffled_split(tensors: Tensors, fractions: tuple[float, ...], seed: int) ->
     sizes = [int(round(rows * f)) for f in fractions]
     sizes.insert(0, rows - sum(sizes))
     return [{k: v[idx] for k, v in tensors.items()} for idx in torch.split(order, sizes)]
+
+
+def evaluation_multiple(datamodule: pl.LightningDataModule, batch_size: int) -> int:
+    """The row count evaluation splits are padded to a multiple of: `batch_size` on every data-parallel rank.
+
+    Lightning shares evaluation loaders out with `DistributedSampler`, which repeats samples to even out the ranks
+    (and warns that it may); a split of whole batches per rank is shared out with no repeat, so each sample counts
+    once in the metrics and every batch keeps its shape."""
+    trainer = datamodule.trainer
+    sampler_kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
+    return batch_size * (sampler_kwargs or {}).get("num_replicas", 1)
 
 
 def pad_to_multiple(tensors: Tensors, multiple: int) -> Tensors:
@@ -59,8 +70,9 @@ class TensorDataModule(pl.LightningDataModule):
         if tensors is None:
             raise ValueError(f"This data module has no {split!r} split.")
         generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        multiple = self.batch_size if shuffle else evaluation_multiple(self, self.batch_size)
         return DataLoader(
-            _RowDataset(pad_to_multiple(tensors, self.batch_size)),
+            _RowDataset(pad_to_multiple(tensors, multiple)),
             batch_size=self.batch_size,
             shuffle=shuffle,
             generator=generator,

@@ -241,6 +241,12 @@ class DeviceRuntime(ABC):
         compiles whole steps itself (XLA)."""
         return module
 
+    def compile_in_place(self, module: torch.nn.Module, *, fullgraph: bool) -> bool:
+        """Compile `module`'s calls in place with this backend's compiler (`nn.Module.compile`: the module object and
+        its state_dict keys stay as they are); False, leaving it unchanged, where the backend compiles whole steps
+        itself (XLA)."""
+        return False
+
     def enable_compile_cache(self, path: str) -> bool:
         """Point the backend's persistent compile cache at local directory `path` for the rest of this process.
 

@@ -51,6 +51,8 @@ class Platform:
     kind: str  # NEURON or CPU
     device_count: int
     reason: str  # where the count came from, for messages
+    #: how a user makes more devices visible, for messages
+    widen: str = "widen NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES"
 
 
 def torch_xla_installed() -> bool:
@@ -146,7 +148,12 @@ def detect_platform(env: Mapping[str, str] | None = None) -> Platform:
         )
     pjrt = env.get("PJRT_DEVICE", "").strip().upper()
     if pjrt == CPU:
-        return Platform(CPU, os.cpu_count() or 1, "PJRT_DEVICE=CPU (XLA:CPU, one device per process)")
+        return Platform(
+            CPU,
+            os.cpu_count() or 1,
+            "PJRT_DEVICE=CPU (XLA:CPU, one device per process)",
+            "on XLA:CPU run at most one process per CPU core",
+        )
     if pjrt and pjrt != NEURON:
         raise NeuronUnavailableError(
             f"`accelerator='neuron'` runs on NeuronCores or XLA:CPU, but PJRT_DEVICE={env['PJRT_DEVICE']!r} selects "

@@ -66,7 +66,13 @@ class NativeRuntime(DeviceRuntime):
                     "set LIGHTNING_TRN_STANDIN=1 before `import lightning_trn`."
                 )
             if _standin() is not None:  # a CPU pretending: not NeuronCores (software rounding, no runtime switches)
-                self._platform = Platform(CPU, count, "the neuron stand-in (LIGHTNING_TRN_STANDIN_DEVICES)")
+                self._platform = Platform(
+                    CPU,
+                    count,
+                    "the neuron stand-in (LIGHTNING_TRN_STANDIN_DEVICES)",
+                    # the stand-in reads no Neuron runtime variable
+                    "set LIGHTNING_TRN_STANDIN_DEVICES to the number of stand-in devices before `import lightning_trn`",
+                )
             else:
                 self._platform = Platform(NEURON, count, "torch.neuron.device_count(): logical NeuronCores")
         return self._platform
@@ -134,6 +140,12 @@ class NativeRuntime(DeviceRuntime):
         return cast(torch.nn.Module, torch.compile(module, backend="neuron", fullgraph=fullgraph, dynamic=False))
 
     @override
+    def compile_in_place(self, module: torch.nn.Module, *, fullgraph: bool) -> bool:
+        """`module.compile` with the options of `compile`."""
+        module.compile(backend="neuron", fullgraph=fullgraph, dynamic=False)
+        return True
+
+    @override
     def manual_seed(self, seed: int) -> None:
         torch.get_device_module(self.device_type).manual_seed_all(seed)
 
@@ -165,8 +177,8 @@ class NativeRuntime(DeviceRuntime):
         if local_rank >= count:
             raise NeuronUnavailableError(
                 f"Data-parallel worker with local rank {local_rank} of {local_world_size} on this node, but torch sees "
-                f"only {count} `neuron` devices (logical NeuronCores). Lower `devices` to at most {count}, or widen "
-                "NEURON_RT_VISIBLE_CORES."
+                f"only {count} `neuron` devices (logical NeuronCores). Lower `devices` to at most {count}, or "
+                f"{self.detect_platform().widen}."
             )
         module.set_device(local_rank)
 

@@ -6,19 +6,18 @@ What is checked: for FSDP2 (with and without activation checkpointing), tensor p
 about 21 M parameters), the estimated per-rank peak is within 10 % of the stand-in allocator's peak over the second
 training step (`torch.neuron.max_memory_allocated()`; measured here: within 100 bytes); the command line prints the
 tables, ends with the `peak device memory per rank` line and exits 0 when the job fits, 1 with one line of advice
-when it does not, without allocating the model.
+when it does not, without allocating the model; `--plan` lists the largest micro-batch that fits per layout. The
+simulations run in this process: a simulation leaves it as it found it (tests/standin/test_estimate_patterns.py).
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -82,10 +81,7 @@ def _measured_peaks(out: Path, strategy: str, checkpointing: bool, devices: int)
 )
 def test_estimated_peak_matches_the_allocator(tmp_path: Path, strategy: str, checkpointing: bool, devices: int) -> None:
     """The simulated rank's peak against every real rank's (alike: even shards), within 10 %."""
-    # in a child process: a simulated ZeRO-1 fit left process state after which a later test's conv3d weight
-    # gradient on the stand-in differed from the CPU's (5e-4; cause not found)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        result = pool.submit(measured.estimated, strategy, checkpointing, devices).result(timeout=RUN_TIMEOUT_S)
+    result = measured.estimated(strategy, checkpointing, devices)  # in this process: a simulation leaves it as it was
     peaks = _measured_peaks(tmp_path, strategy, checkpointing, devices)
     for first, second in peaks:
         assert first <= second  # the job's peak is the second step's, the one estimated
@@ -93,8 +89,10 @@ def test_estimated_peak_matches_the_allocator(tmp_path: Path, strategy: str, che
     rank = result.ranks[0]
     parts = rank.parameters + rank.gradients + rank.optimizer_state + rank.activations + rank.temporaries
     assert parts == rank.peak and rank.optimizer_state > 0  # the second step, with the optimizer state
-    if strategy != "zero1":  # AdamW's two moments of this rank's parameters (ZeRO-1's state is in chunks)
-        assert abs(rank.optimizer_state - 2 * rank.parameters) <= 0.01 * rank.optimizer_state
+    if strategy != "zero1":  # AdamW's two moments of this rank's parameters (ZeRO-1's state is in chunks), plus,
+        # where the peak falls inside the optimizer step (gradients are freed before the forward, so the forward's
+        # peak can be the lower one), the step's one moment-sized temporary, which the tracker counts as state
+        assert 1.99 * rank.parameters <= rank.optimizer_state <= 3.01 * rank.parameters
     assert result.collectives and all(c.count > 0 and c.bytes_per_rank > 0 for c in result.collectives)
 
 
@@ -131,3 +129,28 @@ def test_cli_exits_1_with_advice_when_it_does_not_fit(capsys: pytest.CaptureFixt
     peak, capacity = map(float, LAST_LINE.match(lines[-1]).groups())
     assert peak > capacity == 16.0
     assert lines[-2].startswith("does not fit:") and "activation checkpointing" in lines[-2]
+
+
+def test_cli_plan_lists_the_largest_micro_batch_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--plan` on a Trn1 core: each tensor-parallel size that divides the devices and key/value heads (1, 2), with
+    and without checkpointing, at micro-batches 1, 2, 4, ...: the logits (micro-batch x 2048 x 262144, fp32) stop
+    every layout below 4."""
+    overrides = [
+        "trainer.devices=2",
+        "trainer.strategy=model_parallel",
+        "data.vocab_size=262144",
+        "data.seq_len=2048",
+        "model.hidden_size=64",
+        "model.intermediate_size=128",
+        "model.num_layers=1",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "--platform=trn1",
+        "--plan",
+    ]
+    assert main(["llm", *overrides]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [[cell.strip() for cell in line.split("|")] for line in lines if re.match(r"^\s+\d+ \|", line)]
+    assert sorted((row[0], row[1]) for row in rows) == [("1", "false"), ("1", "true"), ("2", "false"), ("2", "true")]
+    assert all(row[2] in ("1", "2") and float(row[3].split()[0]) <= 16.0 for row in rows)
+    assert lines[-1].startswith("capacity per rank: 16.00 GiB")

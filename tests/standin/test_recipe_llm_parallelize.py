@@ -67,7 +67,13 @@ def test_trn2_preset_makes_every_parameter_a_dtensor_on_one_mesh(
         assert {name: params[name].placements[1] for name in expected} == expected
         # one rank's shard of the output projection: the vocabulary split over tensor parallel, then over FSDP2
         assert params["lm_head.weight"].to_local().shape == lm_head_shard
-        for fsdp_module in (module.net, *module.net.model.layers):
+        net = module.net
+        units = (net, net.model.embed_tokens, *net.model.layers, net.lm_head)
+        for fsdp_module in units:
             policy = fsdp_module._get_fsdp_state()._mp_policy
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+        assert len({id(unit._get_fsdp_state()) for unit in units}) == len(units)
+        assert net.model.norm._get_fsdp_state() is net.lm_head._get_fsdp_state()
+        resharded = [unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for unit in units[1:]]
+        assert resharded == [True] * (len(units) - 2) + [False]
         assert all(layer.gradient_checkpointing for layer in module.net.model.layers)

@@ -61,7 +61,12 @@ def test_fsdp_on_two_devices_ends_like_one_device(tmp_path: Path) -> None:
         metrics=METRICS,
     )
     assert fsdp["ckpt"]["global_step"] == 6
-    # the sharded run's checkpoint holds the whole weights, gathered
+    # the sharded run writes a distributed checkpoint directory, as `strategy="fsdp"` does (docs/sharding.md); its
+    # consolidated state holds the whole weights
+    assert (tmp_path / "fsdp" / "checkpoints" / "last.ckpt" / ".metadata").is_file()
+    # its evaluation splits are whole batches on both ranks: Lightning's sampler repeats no block, and the recipe
+    # leaves out Lightning's warning that it might (docs/troubleshooting.md)
+    assert "Using `DistributedSampler`" not in fsdp["stderr"]
     assert_ends_alike(fsdp, one, TOLERANCE)
     # the perplexities are their losses' exponentials (each a TokenMean of its own, reduced over the ranks)
     for split in ("val", "test"):

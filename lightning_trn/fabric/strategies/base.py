@@ -34,6 +34,7 @@ from lightning_trn.core.random_state import RANDOM_STATE_KEY
 from lightning_trn.core.sharded_save import recover_before_resume
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.fabric.precision import NeuronPrecision
+from lightning_trn.hooks import registry as lightning_hooks
 
 # the type checker sees Lightning's strategy members here; at run time each strategy names its Lightning class after
 # this base, which keeps it out of the MRO in between (`object` changes nothing)
@@ -203,17 +204,27 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
         state = {**state, RANDOM_STATE_KEY: random_state}
         if not self.saves_stateful_objects:
             state, filter = self._convert_stateful_objects_in_state(state, filter or {}), None
-        with self._save_destination(path) as target:
+        with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS), self._save_destination(path) as target:
             state, target = self._split_checkpoint(state, target)
-            super().save_checkpoint(target, state, storage_options=storage_options, filter=filter)
+            saver = self._async_checkpointer()
+            if saver is not None and storage_options is None and filter is None:
+                self._save_in_background(saver, state, target)
+            else:  # Lightning's sharded save refuses `storage_options` and `filter`
+                super().save_checkpoint(target, state, storage_options=storage_options, filter=filter)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state, or says
         once why the resume is not exact. Set up the dataloaders before loading. A checkpoint that a sharded save
-        killed between its two renames left aside is put back first (rank 0; `sharded_save.recover_before_resume`)."""
+        killed between its two renames left aside is put back first (rank 0; `sharded_save.recover_before_resume`),
+        and an asynchronous save in flight is finished."""
+        saver = self._async_checkpointer()
+        if saver is not None:  # the checkpoint may be the one being written
+            saver.wait()
         recover_before_resume([os.path.dirname(os.fspath(path))], self.global_rank, self.barrier)
-        remainder = super().load_checkpoint(path, state, *args, **kwargs)
+        # an `s3://` sharded checkpoint: its committed version, DCP's reads sent there by the hooks
+        with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS), self._load_source(path) as source:
+            remainder = super().load_checkpoint(source, state, *args, **kwargs)
         if isinstance(state, dict) and state:
             entry = self._restore_random_state(remainder.pop(RANDOM_STATE_KEY, None), self._loaders, skip=True)
             if entry is not None:

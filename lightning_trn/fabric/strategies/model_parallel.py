@@ -4,17 +4,24 @@ same arguments, and `fabric.setup` runs `parallelize_fn(module, device_mesh)` on
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
+from lightning.fabric.utilities.types import _Stateful
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_trn.core.async_save import AsyncCheckpointer
+from lightning_trn.core.distributed_checkpoint import LIGHTNING_META_FILE
 from lightning_trn.core.dtensor_random import refuse_local_dropout
 from lightning_trn.core.model_parallel import (
     broadcast_replicated,
@@ -110,6 +117,35 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
     @override
     def _saves_sharded(self) -> bool:
         return self._save_distributed_checkpoint
+
+    @override
+    def _writes_dcp_directories(self) -> bool:
+        return self._save_distributed_checkpoint
+
+    @override
+    def _save_in_background(self, saver: AsyncCheckpointer, state: dict[str, Any], directory: str) -> None:
+        """What Lightning's sharded save writes: the sharded model's and the optimizers' state dicts (host tensors,
+        optimizer states keyed by parameter name) as DCP entries under their keys (here in the background), every
+        other entry of `state` in `meta.pt` (rank 0)."""
+        modules = [obj for obj in state.values() if isinstance(obj, Module) and _has_dtensor_modules(obj)]
+        if len(modules) != 1:
+            raise ValueError(
+                f"A sharded checkpoint holds exactly one sharded model; `state` holds {len(modules)}: save each "
+                "model with its own `fabric.save` call and path."
+            )
+        options = StateDictOptions(cpu_offload=True)
+        shards: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        for key, obj in state.items():
+            if isinstance(obj, Module):
+                shards[key] = get_model_state_dict(obj, options=options)
+            elif isinstance(obj, Optimizer):
+                shards[key] = get_optimizer_state_dict(modules[0], obj, options=options)
+            else:
+                meta[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        if self.global_rank == 0:
+            torch.save(meta, os.path.join(directory, LIGHTNING_META_FILE))
+        saver.save(shards, directory)
 
     @override
     def module_to_device(self, module: Module) -> None:

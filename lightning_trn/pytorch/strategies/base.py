@@ -6,6 +6,7 @@ strategy that adds it; docs/architecture.md lists each strategy's steps.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_trn.core import s3_checkpoint
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.core.random_state import RANDOM_STATE_KEY
 from lightning_trn.core.sharded_save import remove
@@ -228,7 +230,12 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's load; when `fit` resumes the checkpoint, its random state is kept for `on_train_start`."""
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        # an `s3://` sharded checkpoint: its committed version, DCP's reads sent there by the hooks
+        with (
+            lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS),
+            self._load_source(checkpoint_path) as source,
+        ):
+            checkpoint = super().load_checkpoint(source, *args, **kwargs)
         module = self._lightning_module
         if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
             self._resume_random_state = checkpoint.pop(RANDOM_STATE_KEY, None)
@@ -277,18 +284,32 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
             trainer = module._trainer
             random_state = self._random_state_to_save(_train_prefetchers(trainer), _resumes_mid_epoch(trainer))
             checkpoint = {**checkpoint, RANDOM_STATE_KEY: random_state}
-        with self._save_destination(filepath) as target:
+        with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS), self._save_destination(filepath) as target:
             checkpoint, target = self._split_checkpoint(checkpoint, target)
-            super().save_checkpoint(checkpoint, target, storage_options=storage_options)
+            saver = self._async_checkpointer()
+            if saver is not None and storage_options is None:
+                self._save_in_background(saver, checkpoint, target)
+            else:  # Lightning's sharded save refuses `storage_options`
+                super().save_checkpoint(checkpoint, target, storage_options=storage_options)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes a local checkpoint directory (`ModelCheckpoint`'s `save_top_k`) by renaming it to a hidden
-        name first (`lightning_trn.core.sharded_save.remove`): a kill never leaves half of it under its name."""
+        name first (`lightning_trn.core.sharded_save.remove`): a kill never leaves half of it under its name. Under
+        asynchronous saves, once the save in flight is committed (a kill before leaves the older checkpoint). A sharded
+        checkpoint in S3 loses its commit object first (`lightning_trn.core.s3_checkpoint.remove`)."""
+        if s3_checkpoint.is_s3(filepath) and self._saves_sharded():
+            if self.is_global_zero:
+                s3_checkpoint.remove(os.fspath(filepath))
+            return
         if not (self.is_global_zero and os.path.isdir(filepath)):
             super().remove_checkpoint(filepath)
             return
-        remove(filepath)
+        saver = self._async_checkpointer()
+        if saver is None:
+            remove(filepath)
+        else:
+            saver.then(functools.partial(remove, filepath))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -7,15 +7,19 @@ A LightningModule written for it on GPUs (`configure_model` with `fully_shard` /
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_trn.core.async_save import AsyncCheckpointer
+from lightning_trn.core.distributed_checkpoint import LIGHTNING_META_FILE
 from lightning_trn.core.dtensor_random import refuse_local_dropout
 from lightning_trn.core.model_parallel import broadcast_replicated, check_mesh_sizes, check_shards_models, materialize
 from lightning_trn.core.process_group import ProcessGroup
@@ -88,6 +92,21 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
     @override
     def _saves_sharded(self) -> bool:
         return self._save_distributed_checkpoint
+
+    @override
+    def _writes_dcp_directories(self) -> bool:
+        return self._save_distributed_checkpoint
+
+    @override
+    def _save_in_background(self, saver: AsyncCheckpointer, state: dict[str, Any], directory: str) -> None:
+        """What Lightning's sharded save writes: the model's and the optimizers' sharded state dicts as DCP entries
+        (`state_dict`, `optimizer_<i>`; here in the background), the rest of the checkpoint as `meta.pt` (rank 0)."""
+        state = dict(state)
+        optimizers = state.pop("optimizer_states", [])
+        shards = {"state_dict": state.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(optimizers)}}
+        if self.global_rank == 0:
+            torch.save(state, os.path.join(directory, LIGHTNING_META_FILE))
+        saver.save(shards, directory)
 
     def _materialize(self, trainer: pl.Trainer) -> None:
         """A model built on the meta device gets the unsharded module's initial weights, or the seed checkpoint's

@@ -37,7 +37,7 @@ from lightning_trn.recipes.llm.data import (
 from lightning_trn.recipes.llm.export import export
 from lightning_trn.recipes.llm.lora import check_config, lora_hparams
 from lightning_trn.recipes.llm.model import CausalLM, TokenMean, causal_mask, eager_init_steps, pretrained_model
-from lightning_trn.recipes.llm.parallelize import apply_ac, apply_fsdp, apply_tp, parallelize
+from lightning_trn.recipes.llm.parallelize import apply_ac, apply_compile, apply_fsdp, apply_tp, parallelize
 from lightning_trn.recipes.llm.sft import sft_datamodule
 
 __all__ = [
@@ -52,7 +52,9 @@ __all__ = [
     "LlmModel",
     "LoraSettings",
     "TokenMean",
+    "allow_block_graphs",
     "apply_ac",
+    "apply_compile",
     "apply_fsdp",
     "apply_tp",
     "build_model",
@@ -102,6 +104,12 @@ def lm_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
             data.val_fraction,
             data.test_fraction,
             cfg.seed,
+            data.length_buckets,
+        )
+    if data.length_buckets:
+        raise ValueError(
+            f"data.length_buckets={list(data.length_buckets)} is for fine-tuning rows (data.source=FILE.jsonl): "
+            f"packed text ({data.source}) is cut into blocks of data.seq_len already, one shape."
         )
     train, val, test = split_documents(load_documents(data.source), data.val_fraction, data.test_fraction, cfg.seed)
     tokenizer = pretrained_tokenizer(pretrained) if pretrained else train_tokenizer(train, data.vocab_size)
@@ -114,9 +122,12 @@ def lm_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
 
 
 def build_model(cfg: DictConfig) -> CausalLM:
-    """`CausalLM` from `model.*`: built on the meta device under a strategy that shards it, LoRA checked first."""
+    """`CausalLM` from `model.*`: built on the meta device under a strategy that shards it, LoRA checked first; with
+    `model.compile`, Dynamo allowed the graphs the run needs (`allow_block_graphs`)."""
     m = cfg.model
     check_config(cfg)
+    if m.compile:
+        allow_block_graphs(cfg)
     return CausalLM(
         vocab_size=cfg.data.vocab_size,
         hidden_size=m.hidden_size,
@@ -128,6 +139,7 @@ def build_model(cfg: DictConfig) -> CausalLM:
         rope_theta=m.rope_theta,
         attn_implementation=m.attn_implementation,
         activation_checkpointing=m.activation_checkpointing,
+        compile=m.compile,
         lr=m.lr,
         weight_decay=m.weight_decay,
         warmup_steps=m.warmup_steps,
@@ -138,11 +150,23 @@ def build_model(cfg: DictConfig) -> CausalLM:
     )
 
 
+def allow_block_graphs(cfg: DictConfig) -> None:
+    """Raise Dynamo's limit of graphs per compiled function (`torch._dynamo.config.recompile_limit`, 8) to what the
+    run's compiled decoder layers build, which share one function: a graph per batch length (each length bucket and
+    `data.seq_len`) and mode (training, evaluation), twice under tensor parallelism (the first layer's input is
+    another tensor type than the later ones'). Past the limit a `fullgraph=True` compile fails mid-run."""
+    import torch._dynamo
+
+    graphs = (len(cfg.data.length_buckets) + 1) * 2 * (2 if cfg.model.tensor_parallel_size > 1 else 1)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+
+
 def trainer_args(cfg: DictConfig) -> dict[str, Any]:
     """`trainer.strategy=model_parallel`: Lightning's `ModelParallelStrategy` with `model.tensor_parallel_size`
     devices per tensor-parallel group and the rest FSDP2 (native backend); `fsdp`: Lightning's `FSDPStrategy`
-    sharding each decoder layer; `neuron_zero1` with `zero1_state_dict_type=sharded`: ZeRO-1 writing sharded
-    checkpoints. Other strategies go to the Trainer as they are."""
+    sharding each decoder layer, writing sharded checkpoints as `strategy="fsdp"` does; `neuron_zero1` with
+    `zero1_state_dict_type=sharded`: ZeRO-1 writing sharded checkpoints. Other strategies go to the Trainer as they
+    are."""
     strategy, tp = cfg.trainer.get("strategy", "auto"), cfg.model.tensor_parallel_size
     if strategy in _MODEL_PARALLEL:
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -164,7 +188,9 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
         from lightning.pytorch.strategies import FSDPStrategy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-        return {"strategy": FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer})}
+        # sharded checkpoints, as `strategy="fsdp"` writes with accelerator="neuron" (a Lightning `FSDPStrategy`
+        # object's own default is one file gathered on rank 0)
+        return {"strategy": FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, state_dict_type="sharded")}
     return {}
 
 

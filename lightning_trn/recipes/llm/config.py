@@ -122,6 +122,12 @@ class LlmData:
         POSITIVE,
     )
     batch_size: int = doc("blocks per batch and device; evaluation splits are padded to whole batches", POSITIVE)
+    length_buckets: list[int] = doc(
+        "fine-tuning rows only: a few lengths below seq_len (e.g. [256, 512, 1024]); each row is cut to the first"
+        " that holds its labelled tokens and each batch has one of these lengths (or seq_len), so a compiled model"
+        " compiles once per bucket; []: every row padded to seq_len",
+        (lambda v: all(b > 0 for b in v) and list(v) == sorted(set(v)), "increasing positive lengths"),
+    )
     val_fraction: float = doc("share of the documents (or rows) held out for validation", FRACTION)
     test_fraction: float = doc("share of the documents (or rows) held out for the test", FRACTION)
 
@@ -152,6 +158,10 @@ class LlmModel:
     activation_checkpointing: bool = doc(
         "Hugging Face gradient checkpointing: recompute each decoder layer in the"
         " backward instead of keeping its activations"
+    )
+    compile: bool = doc(
+        "torch.compile each decoder layer in place (native backend: backend=neuron, fullgraph; XLA: unchanged, it"
+        " compiles whole steps), after tensor parallel and checkpointing, before FSDP2; checkpoints keep their keys"
     )
     tensor_parallel_size: int = doc(
         "with trainer.strategy=model_parallel: devices per tensor-parallel group, the rest FSDP2; 1 elsewhere", POSITIVE

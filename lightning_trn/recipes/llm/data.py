@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from typing_extensions import override
 
 from lightning_trn.recipes.data_sources import load_rotten_tomatoes
-from lightning_trn.recipes.tensor_datamodule import shuffled_split
+from lightning_trn.recipes.tensor_datamodule import evaluation_multiple, shuffled_split
 
 #: special tokens of the run-time tokenizer; trained first, so their ids are 0, 1, 2 whatever the data
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
@@ -105,7 +105,8 @@ class _BlockDataset(Dataset):
 class LMDataModule(pl.LightningDataModule):
     """Packed (blocks, seq_len) token splits; batches are dicts of `input_ids` and `labels` (the same ids: the model
     shifts them). Training batches are shuffled with `seed`, the last partial one dropped; the evaluation splits are
-    padded to whole batches with rows labelled `IGNORE_INDEX`, so nothing is dropped and every batch has one shape."""
+    padded to whole batches on every rank (`evaluation_multiple`) with rows labelled `IGNORE_INDEX`, so nothing is
+    dropped or counted twice and every batch has one shape."""
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerFast, splits: dict[str, torch.Tensor], batch_size: int, seed: int
@@ -137,7 +138,7 @@ class LMDataModule(pl.LightningDataModule):
 
     def _eval_loader(self, split: str) -> DataLoader:
         blocks = self.splits[split]
-        pad = -len(blocks) % self.batch_size
+        pad = -len(blocks) % evaluation_multiple(self, self.batch_size)
         input_ids = torch.cat([blocks, torch.full((pad, blocks.shape[1]), self.tokenizer.pad_token_id)])
         labels = torch.cat([blocks, torch.full((pad, blocks.shape[1]), IGNORE_INDEX)])
         return DataLoader(_BlockDataset(input_ids, labels), batch_size=self.batch_size)
@@ -152,8 +153,13 @@ class LMDataModule(pl.LightningDataModule):
 
 
 def pretrained_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """The tokenizer saved in a `save_pretrained` folder (`model.pretrained`)."""
+    """The tokenizer saved in a `save_pretrained` folder (`model.pretrained`); a local folder that does not exist is
+    refused before transformers takes the value for a Hub id (`check_local_folder`)."""
     from transformers import AutoTokenizer
+
+    from lightning_trn.core.pretrained import check_local_folder
+
+    check_local_folder(path)
 
     return AutoTokenizer.from_pretrained(path)  # type: ignore[return-value]  # AutoTokenizer loads the fast backend
 

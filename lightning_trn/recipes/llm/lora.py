@@ -16,9 +16,10 @@ Not with tensor parallelism: its plans address the `Linear`s that LoRA replaces 
 
 from __future__ import annotations
 
+import difflib
 import math
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -66,14 +67,42 @@ def add_adapters(net: ModelT, lora: Mapping[str, Any], meta: bool) -> ModelT:
     like every other tensor of `net`); with `meta`, the adapters on the meta device, for `init_adapters`.
 
     Raises:
-        ValueError: (PEFT's) no module of `net` matches the targets.
+        ValueError: a name in the targets matches no module of `net` (PEFT would drop it silently as long as another
+            one matches), listing the names of the `Linear` layers that exist.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
+    check_targets(net, lora["target"])
     config = LoraConfig(
         r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=list(lora["target"])
     )
     return cast(ModelT, inject_adapter_in_model(config, net, low_cpu_mem_usage=meta))  # `net` itself, changed
+
+
+def check_targets(net: Module, targets: Sequence[str]) -> None:
+    """Every name in `targets` must name a module of `net` as PEFT matches them (the module's name, or its end after
+    a dot: `q_proj`, `self_attn.q_proj`).
+
+    Raises:
+        ValueError: a target matches no module; the paragraph lists the names of the `Linear` layers that exist.
+    """
+    names = [name for name, _ in net.named_modules() if name]
+    unmatched = [target for target in targets if not any(n == target or n.endswith(f".{target}") for n in names)]
+    if not unmatched:
+        return
+    linears = sorted({name.rsplit(".", 1)[-1] for name, m in net.named_modules() if isinstance(m, torch.nn.Linear)})
+    hints = [
+        f"{target!r} (did you mean {close[0]!r}?)"
+        if (close := difflib.get_close_matches(target, linears, n=1))
+        else repr(target)
+        for target in unmatched
+    ]
+    raise ValueError(
+        f"model.lora.target={list(targets)}: {', '.join(hints)} matches no module of the model, so it would get no "
+        f"adapters (PEFT drops such a name as long as another one matches). The model's Linear layers are named "
+        f"{', '.join(linears)}; every name in model.lora.target must be one of them (or end one of the model's "
+        "module names after a dot, e.g. self_attn.q_proj)."
+    )
 
 
 def _lora_layers(net: Module) -> list[tuple[Module, str, LoraLayer]]:

@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_trn.hooks.throughput import tensor_parallel_size
 from lightning_trn.recipes.llm.data import IGNORE_INDEX, SPECIAL_TOKENS, pretrained_tokenizer, wrap_tokenizer
 from lightning_trn.recipes.llm.lora import add_adapters, base_layers, init_adapters
-from lightning_trn.recipes.llm.parallelize import apply_ac, parallelize
+from lightning_trn.recipes.llm.parallelize import apply_ac, apply_compile, parallelize
 
 
 class TokenMean(Metric):
@@ -91,7 +91,9 @@ def eager_init_steps(net: torch.nn.Module) -> list[tuple[torch.nn.Module, Callab
     steps: list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]] = []
     done: set[torch.nn.Module] = set()
     for module in _post_order(net):
-        if type(module).__module__.startswith("torch.nn.") and callable(getattr(module, "reset_parameters", None)):
+        if _built_class(module).__module__.startswith("torch.nn.") and callable(
+            getattr(module, "reset_parameters", None)
+        ):
             steps.append((module, lambda sub: sub.reset_parameters()))  # type: ignore[operator]  # checked above
         if isinstance(module, PreTrainedModel):
             for sub in _post_order(module):
@@ -99,6 +101,14 @@ def eager_init_steps(net: torch.nn.Module) -> list[tuple[torch.nn.Module, Callab
                     steps.append((sub, module._init_weights))
                 done.add(sub)
     return steps
+
+
+def _built_class(module: torch.nn.Module) -> type:
+    """The class `module` was built as: FSDP2's `fully_shard` gives a sharded module a subclass of it (`FSDPLinear`,
+    defined in torch.distributed), so the embedding and output projection as units of their own keep their init."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _embedding_weight(net: PreTrainedModel) -> torch.Tensor:
@@ -114,7 +124,8 @@ class CausalLM(pl.LightningModule):
     folder; docs/recipes.md, "Fine-tuning a pretrained model") the model is the folder's architecture (the shape
     arguments are unused), filled from its weights in `configure_model`, and the tokenizer is the folder's; with
     `lora` as well (`model.lora.*`: r, alpha, dropout, target), only LoRA adapters on its frozen weights train
-    (`lora.py`)."""
+    (`lora.py`). With `compile`, each decoder layer is compiled in place for the backend (`model.compile`;
+    `lightning_trn.compile_blocks`), keeping the checkpoint's keys."""
 
     #: a `LlamaForCausalLM`, or a pretrained folder's Mistral / Qwen2 / Qwen3 model: the same layout, which
     #: `parallelize` and the PEFT adapters address by name
@@ -139,6 +150,7 @@ class CausalLM(pl.LightningModule):
         meta_init: bool = False,
         pretrained: str | None = None,
         lora: dict[str, Any] | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["meta_init"])  # loading a checkpoint builds the model on the host
@@ -262,9 +274,10 @@ class CausalLM(pl.LightningModule):
     @override
     def configure_model(self) -> None:
         """Under `ModelParallelStrategy` (`trainer.strategy=model_parallel`): `parallelize` over its device mesh
-        (tensor parallel, activation checkpointing, FSDP2 with bf16 parameters under bf16 precision). FSDP strategies
-        (`trainer.strategy=fsdp`) shard by their `auto_wrap_policy` after this hook: here only the checkpointing of
-        a model built on meta, which `__init__` leaves to this hook."""
+        (tensor parallel, activation checkpointing, `compile`, FSDP2 with bf16 parameters under bf16 precision). FSDP
+        strategies (`trainer.strategy=fsdp`) shard by their `auto_wrap_policy` after this hook: here only the
+        checkpointing of a model built on meta, which `__init__` leaves to this hook, and `compile`. With `compile`,
+        each decoder layer is compiled in place (`apply_compile`; not when loading a checkpoint without a Trainer)."""
         from lightning.pytorch.strategies import FSDPStrategy
 
         from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
@@ -276,11 +289,15 @@ class CausalLM(pl.LightningModule):
 
             materialize(self, self.trainer.strategy.root_device)
         checkpointing = self.hparams["activation_checkpointing"] and self._meta_init
+        compiled = self.hparams.get("compile", False) and self._trainer is not None  # not for export's load
         if self.device_mesh is not None and not isinstance(self.trainer.strategy, (FSDPStrategy, NeuronFSDPStrategy)):
             bf16 = str(self.trainer.precision).startswith("bf16")
-            parallelize(self.net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None)
-        elif checkpointing:
-            apply_ac(self.net)
+            parallelize(self.net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None, compiled)
+        else:
+            if checkpointing:
+                apply_ac(self.net)
+            if compiled:
+                apply_compile(self.net)
         # each rank reads the blocks it keeps, meta tensors getting storage; without a Trainer this is
         # `load_from_checkpoint` (export), whose checkpoint holds the weights
         if self.hparams.get("pretrained") and self._trainer is not None:

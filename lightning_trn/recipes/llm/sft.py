@@ -6,6 +6,9 @@ Static shapes without packing: one row per block of `seq_len` tokens, right-padd
 causal mask a padding token sits after every real one, so it changes no real token's logits: the recipe's causal
 mask, built on the device, serves as it is, and the positions are the default `0..seq_len-1` of each row. Packing
 several rows per block would need position ids restarting per row and a block-diagonal mask per batch instead.
+
+Length buckets (`data.length_buckets`): a few fixed lengths instead of one, so short rows are not all padded to
+`seq_len` while a compiled model (`model.compile`) still sees a few shapes only, each compiled once (`bucket_batches`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_trn.recipes.llm.data import IGNORE_INDEX
-from lightning_trn.recipes.tensor_datamodule import shuffled_split
+from lightning_trn.recipes.tensor_datamodule import evaluation_multiple, shuffled_split
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:
@@ -87,6 +90,47 @@ def encode_row(tokenizer: Any, row: Mapping[str, Any]) -> tuple[list[int], list[
     return ids, labels
 
 
+def bucket_batches(
+    split: dict[str, torch.Tensor],
+    buckets: Sequence[int],
+    batch_size: int,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """The rows of a split of blocks (`blocks`) in batches of one length each: a row goes to the first of `buckets`
+    (increasing, the last at least the blocks' length) that holds it up to its last labelled token, and is cut to that
+    length (the tokens after the last label change no loss: they predict nothing that is labelled). With `generator`
+    (training), each bucket's rows are shuffled with it and its last partial batch dropped; without (evaluation),
+    rows stay in order and each bucket's last batch is padded with unlabelled rows."""
+    labels = split["labels"]
+    labelled = (labels != IGNORE_INDEX) * torch.arange(1, labels.shape[1] + 1)
+    which = torch.bucketize(labelled.amax(dim=1), torch.tensor(list(buckets)))
+    batches = []
+    for index, length in enumerate(buckets):
+        rows = (which == index).nonzero().flatten()
+        if generator is not None:
+            rows = rows[torch.randperm(len(rows), generator=generator)]
+            rows = rows[: len(rows) - len(rows) % batch_size]
+        batches += [
+            _padded(
+                {key: value[rows[start : start + batch_size], :length] for key, value in split.items()},
+                batch_size,
+                pad_id,
+            )
+            for start in range(0, len(rows), batch_size)
+        ]
+    return batches
+
+
+def _padded(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """`batch` with unlabelled padding rows appended up to `rows`."""
+    pad, length = rows - len(batch["input_ids"]), batch["input_ids"].shape[1]
+    return {
+        "input_ids": torch.cat([batch["input_ids"], torch.full((pad, length), pad_id)]),
+        "labels": torch.cat([batch["labels"], torch.full((pad, length), IGNORE_INDEX)]),
+    }
+
+
 def blocks(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """One (rows, seq_len) block per row: cut at `seq_len`, right-padded with `pad_id` (labels `IGNORE_INDEX`). Rows
     left with no labelled token after the first (nothing to predict once the labels are shifted) are dropped."""
@@ -118,15 +162,34 @@ class _Rows(Dataset):
 class SFTDataModule(pl.LightningDataModule):
     """Splits of padded (rows, seq_len) blocks; batches are dicts of `input_ids` and `labels` (unshifted: the
     model shifts them). Training batches are shuffled with `seed`, the last partial one dropped; the evaluation
-    splits are padded to whole batches with rows labelled `IGNORE_INDEX`, so every batch has one shape."""
+    splits are padded to whole batches on every rank (`evaluation_multiple`) with rows labelled `IGNORE_INDEX`, so
+    every batch has one shape and no row counts twice.
 
-    def __init__(self, tokenizer: Any, splits: dict[str, dict[str, torch.Tensor]], batch_size: int, seed: int) -> None:
+    With `length_buckets` (lengths below seq_len), each batch has the shape of one bucket (`bucket_batches`): the
+    training rows are grouped into batches once, with `seed`, and the order of those batches shuffled each epoch."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        splits: dict[str, dict[str, torch.Tensor]],
+        batch_size: int,
+        seed: int,
+        length_buckets: Sequence[int] = (),
+    ) -> None:
         super().__init__()
         self.tokenizer = tokenizer
         self.splits = splits
         self.batch_size = batch_size
         self.seed = seed
         self.pad_id = pad_id(tokenizer)
+        seq_len = splits["train"]["input_ids"].shape[1]
+        if any(length >= seq_len for length in length_buckets):
+            raise ValueError(
+                f"data.length_buckets={list(length_buckets)}: each bucket must be shorter than data.seq_len={seq_len}, "
+                "which is always the last bucket."
+            )
+        #: the lengths batches are cut to, seq_len last; empty: every batch (rows, seq_len)
+        self.buckets = sorted({*length_buckets, seq_len}) if length_buckets else []
         for name, split in splits.items():
             rows = len(split["input_ids"])
             if rows == 0 or (name == "train" and rows < batch_size):
@@ -138,14 +201,27 @@ class SFTDataModule(pl.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
+        if self.buckets:  # whole batches as the items: each keeps its one shape through any sampler
+            batches = bucket_batches(self.splits["train"], self.buckets, self.batch_size, self.pad_id, generator)
+            if not batches:
+                raise ValueError(
+                    f"data.length_buckets={self.buckets[:-1]}: no bucket holds a whole batch of {self.batch_size} "
+                    "training rows: use fewer buckets or lower data.batch_size."
+                )
+            return DataLoader(batches, batch_size=None, shuffle=True, generator=generator)  # type: ignore[arg-type]  # a list of batches is a map-style dataset
         return DataLoader(
             _Rows(self.splits["train"]), batch_size=self.batch_size, shuffle=True, generator=generator, drop_last=True
         )
 
     def _eval_loader(self, name: str) -> DataLoader:
         split = self.splits[name]
+        if self.buckets:  # whole batches, with unlabelled ones up to a multiple of the ranks (`evaluation_multiple`)
+            batches = bucket_batches(split, self.buckets, self.batch_size, self.pad_id)
+            empty = {key: value[:0] for key, value in batches[0].items()}
+            batches += [_padded(empty, self.batch_size, self.pad_id)] * (-len(batches) % evaluation_multiple(self, 1))
+            return DataLoader(batches, batch_size=None)  # type: ignore[arg-type]  # a list is a map-style dataset
         rows, seq_len = split["input_ids"].shape
-        pad = -rows % self.batch_size
+        pad = -rows % evaluation_multiple(self, self.batch_size)
         padded = {
             "input_ids": torch.cat([split["input_ids"], torch.full((pad, seq_len), self.pad_id)]),
             "labels": torch.cat([split["labels"], torch.full((pad, seq_len), IGNORE_INDEX)]),
@@ -168,13 +244,21 @@ def pad_id(tokenizer: Any) -> int:
 
 
 def sft_datamodule(
-    tokenizer: Any, source: str, seq_len: int, batch_size: int, val_fraction: float, test_fraction: float, seed: int
+    tokenizer: Any,
+    source: str,
+    seq_len: int,
+    batch_size: int,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    length_buckets: Sequence[int] = (),
 ) -> SFTDataModule:
-    """The rows of `source` split with `seed` (train, val, test), each encoded (`encode_row`) into blocks."""
+    """The rows of `source` split with `seed` (train, val, test), each encoded (`encode_row`) into blocks; batched
+    by `length_buckets` if any (`SFTDataModule`)."""
     rows = load_rows(source)
     parts = shuffled_split({"i": torch.arange(len(rows))}, (val_fraction, test_fraction), seed)
     splits = {
         name: blocks([encode_row(tokenizer, rows[i]) for i in part["i"].tolist()], seq_len, pad_id(tokenizer))
         for name, part in zip(("train", "val", "test"), parts, strict=True)
     }
-    return SFTDataModule(tokenizer, splits, batch_size, seed)
+    return SFTDataModule(tokenizer, splits, batch_size, seed, length_buckets)

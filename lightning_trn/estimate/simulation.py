@@ -1,0 +1,510 @@
+"""A job simulated (`estimate`), one rank at a time: `Trainer.fit` for two optimizer steps on fake tensors and a
+fake process group, its device memory tracked by PyTorch's memory trackers and its collectives counted
+(`simulate_rank`).
+
+The process state this changes is set and put back by `lightning_trn.estimate.patches`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from lightning_trn.estimate import patches
+from lightning_trn.estimate.report import (
+    API,
+    CAPACITY_GIB,
+    PLATFORMS,
+    RECIPE,
+    ROWS,
+    XLA_NOTE,
+    XLA_PLATFORMS,
+    Collective,
+    Estimate,
+    RankMemory,
+)
+
+#: the tracker's categories (its snapshot keys, lower-cased) -> this estimate's rows
+_CATEGORIES = {
+    "sharded param": "parameters",
+    "parameter": "parameters",
+    "buffer": "parameters",
+    "sharded grad": "gradients",
+    "gradient": "gradients",
+    "optstate": "optimizer_state",
+    "activation": "activations",
+    "inputs": "activations",
+    "unsharded param": "temporaries",
+    "unsharded grad": "temporaries",
+    "temp": "temporaries",
+    "all gather": "temporaries",
+    "reduce scatter": "temporaries",
+    "other": "temporaries",
+}
+
+
+def _cluster(world_size: int, rank: int, devices: int) -> Any:
+    """A cluster environment that says this process is `rank` of `world_size` (`devices` per node) and that the
+    processes exist already, so the Trainer launches none."""
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+
+    class SimulatedCluster(ClusterEnvironment):
+        @property
+        def creates_processes_externally(self) -> bool:
+            return True
+
+        @property
+        def main_address(self) -> str:
+            return "127.0.0.1"
+
+        @property
+        def main_port(self) -> int:
+            return 0
+
+        @staticmethod
+        def detect() -> bool:
+            return False
+
+        def world_size(self) -> int:
+            return world_size
+
+        def set_world_size(self, size: int) -> None:
+            pass
+
+        def global_rank(self) -> int:
+            return rank
+
+        def set_global_rank(self, rank: int) -> None:
+            pass
+
+        def local_rank(self) -> int:
+            return rank % devices
+
+        def node_rank(self) -> int:
+            return rank // devices
+
+    return SimulatedCluster()
+
+
+class _CollectiveBytes:
+    """`CommDebugMode` counting the bytes of each collective's largest tensor as well (set up lazily: the class
+    needs torch.distributed.tensor)."""
+
+    @staticmethod
+    def mode() -> Any:
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
+
+        class Mode(CommDebugMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.comm_bytes: dict[Any, int] = defaultdict(int)
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                packet = getattr(func, "_overloadpacket", None)
+                if out is not NotImplemented and (packet in self.comm_registry or packet in c10d_collective_ops):
+                    packet = NATIVE_TO_PY_MAPPING.get(packet, packet)
+                    self.comm_bytes[packet] += max(map(_tensor_bytes, (*args, *(kwargs or {}).values(), out)))
+                return out
+
+        return Mode()
+
+
+def _tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in one argument of a collective (a tensor, or a list of them, e.g. an all-gather's
+    outputs)."""
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+def _collectives(modes: list[Any]) -> list[Collective]:
+    """The collectives the modes (one per micro-batch of a step) counted, in all."""
+    counts: dict[Any, int] = defaultdict(int)
+    sizes: dict[Any, int] = defaultdict(int)
+    for mode in modes:
+        for packet, count in mode.get_comm_counts().items():
+            counts[packet] += count
+            sizes[packet] += mode.comm_bytes.get(packet, 0)
+    return [
+        Collective(str(packet).replace("c10d.", "").replace("_c10d_functional.", ""), count, sizes[packet])
+        for packet, count in sorted(counts.items(), key=lambda item: str(item[0]))
+    ]
+
+
+def _fsdp_root(module: torch.nn.Module) -> torch.nn.Module | None:
+    from torch.distributed.fsdp import FSDPModule
+
+    return next((sub for sub in module.modules() if isinstance(sub, FSDPModule)), None)
+
+
+def _rank_memory(rank: int, snapshot: dict[Any, int]) -> RankMemory:
+    rows = dict.fromkeys(ROWS, 0)
+    peak = 0
+    for key, value in snapshot.items():
+        name = str(getattr(key, "value", key)).lower()
+        if name == "total":
+            peak = value
+        else:
+            rows[_CATEGORIES[name]] += value
+    return RankMemory(rank, peak=peak, **rows)
+
+
+def _fsdp_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+    """`FSDPMemTracker` that also follows FSDP modules whose forward did not run through it: a `training_step` that
+    calls a submodule (`self.model(x)`) leaves the root's forward out, and FSDP's backward hooks still run for it
+    (the tracker's per-module statistics would raise `KeyError`; only its totals are read here)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class PerModuleStats(WeakIdKeyDictionary):
+        def __getitem__(self, module: Any) -> Any:
+            if module not in self:
+                self[module] = _FSDPModMemStats(type(module).__name__)
+            return super().__getitem__(module)
+
+    tracker = FSDPMemTracker(root, optimizer)
+    tracker.memory_tracking = PerModuleStats()
+    return tracker
+
+
+class _Measure:
+    """A callback that makes every tensor fake from the `setup` hook on (after the strategy's environment: the
+    device mesh is built from real rank lists), tracks the device memory from the end of the strategy's setup
+    (`on_fit_start`: the model sharded and materialized, the optimizers built) to the end of the second optimizer
+    step (`accumulate` micro-batches each), and the collectives of that step."""
+
+    @staticmethod
+    def callback(result: dict[str, Any], fake_mode: Any, accumulate: int) -> Any:
+        from lightning.pytorch.callbacks import Callback
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        class Measure(Callback):
+            def __init__(self) -> None:
+                self.fake = contextlib.ExitStack()
+                self.stack = contextlib.ExitStack()
+                self.comm_stack = contextlib.ExitStack()
+                self.comms: list[Any] = []
+
+            def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+                self.fake.enter_context(fake_mode)
+
+            def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+                self.fake.close()
+
+            def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+                optimizers = list(trainer.optimizers)
+                for each in optimizers:
+                    _closure_first(each)
+                root = _fsdp_root(trainer.strategy.model)
+                if root is not None:
+                    tracker = _fsdp_tracker(root, optimizers[0] if optimizers else None)
+                    self.stack.enter_context(tracker)
+                    # the rest of the LightningModule (metrics' states, an unsharded head) is device memory too,
+                    # and so is the state of the other optimizers
+                    tracker.track_external(
+                        *(t for t in [*pl_module.parameters(), *pl_module.buffers()] if not _is_dtensor(t)),
+                        *optimizers[1:],
+                    )
+                else:
+                    tracker = MemTracker()
+                    tracker.track_external(pl_module, *optimizers)
+                    self.stack.enter_context(tracker)
+                result["tracker"] = tracker
+
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                if batch_idx >= accumulate:  # one mode per micro-batch: its module tracker follows one forward
+                    self.comms.append(self.comm_stack.enter_context(_CollectiveBytes.mode()))
+
+            def on_train_batch_end(
+                self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+            ) -> None:
+                self.comm_stack.close()
+                # the trackers refuse a second forward of a module within their per-module statistics
+                result["tracker"].reset_mod_stats()
+                if batch_idx == accumulate - 1:
+                    _restart_peak(result["tracker"])
+                elif batch_idx == 2 * accumulate - 1:
+                    self.stack.close()
+                    result["collectives"] = _collectives(self.comms)
+                    trainer.should_stop = True
+
+            def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+                self.comm_stack.close()
+                self.stack.close()
+                self.fake.close()
+
+        return Measure()
+
+
+def _restart_peak(tracker: Any) -> None:
+    """Make the tracker's peak the memory in use now, as entering it does (it has no public reset): the peak is
+    then the second step's, with the optimizer state, as `torch.neuron.reset_peak_memory_stats()` before the step
+    gives. The first step's is not used: it peaks below the second in every configuration measured (it has no
+    optimizer state until its optimizer step)."""
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+    tracker._peak_mem = {device: snap["Total"] for device, snap in tracker._peak_mem_snap.items()}
+
+
+def _closure_first(optimizer: Any) -> None:
+    """Lightning hands forward and backward to `optimizer.step(closure)`, inside the optimizer's step hooks, where
+    the trackers file every tensor as optimizer state. Run the closure first, then the step without it, so
+    activations and gradients count as such (an optimizer that calls its closure once does the same work)."""
+    step = optimizer.step
+
+    @functools.wraps(step)  # keeps the LR scheduler's mark on the step it wrapped
+    def closure_then_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        loss = closure() if closure is not None else None
+        step(**kwargs)
+        return loss
+
+    optimizer.step = closure_then_step  # patched on this one (simulated, thrown away) optimizer object only
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _host_loader(batch: Any, count: int) -> Any:
+    """A training loader of `count` copies of `batch` (a pytree of tensors; only shapes and dtypes count) as host
+    tensors of zeros (valid indices for embeddings and losses): the strategy copies them to the device as it copies
+    real batches (host memory: one micro-batch, a few MB)."""
+    batches = [tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), batch) for _ in range(count)]
+    return _Batches(batches)
+
+
+class _Batches:
+    """The batches as they are, one at a time: a `DataLoader` would draw its seed from a tensor (fake here)."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _on_meta(module_factory: Callable[[], Any]) -> Any:
+    """The module as `module_factory` builds it, with every tensor on the meta device (no memory, however large).
+    Built under `torch.device("meta")`; a factory that reads values while building (`.item()`, which meta tensors
+    cannot answer) is built on the host and moved."""
+    try:
+        with torch.device("meta"):
+            return module_factory()
+    except (NotImplementedError, RuntimeError):
+        module = module_factory()
+        return module._apply(lambda t: t if t.is_meta else torch.empty_like(t, device="meta"))
+
+
+def simulate_rank(
+    module_factory: Callable[[], Any], batch: Any, rank: int, **trainer_kwargs: Any
+) -> tuple[RankMemory, list[Collective]]:
+    """Train two optimizer steps as rank `rank` of the job `trainer_kwargs` describes, on fake tensors and a fake
+    process group; returns that rank's memory at the second step's peak and that step's collectives.
+
+    Raises:
+        EstimateError: Lightning refuses the job as configured, or the simulation fails (the message says where).
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    devices, nodes = int(trainer_kwargs.get("devices", 1)), int(trainer_kwargs.get("num_nodes", 1))
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise patches.EstimateError(
+            f"accumulate_grad_batches={accumulate!r}: the estimator simulates a whole number of micro-batches per "
+            "optimizer step; pass a positive int."
+        )
+    world_size = devices * nodes
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    result: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patches.process_settings())
+        root = stack.enter_context(tempfile.TemporaryDirectory())
+        stack.enter_context(patches.device_count(devices))
+        stack.enter_context(patches.fake_process_group(rank, world_size))
+        stack.enter_context(patches.simulation_hooks())
+        try:
+            trainer = pl.Trainer(
+                **{
+                    **trainer_kwargs,
+                    # one epoch of the loader's batches (two optimizer steps), stopped by `_Measure`: manual
+                    # optimization counts every optimizer's step, so `max_steps` cannot say when
+                    "max_epochs": 1,
+                    "max_steps": -1,
+                    "accumulate_grad_batches": accumulate,
+                    "limit_val_batches": 0,
+                    "num_sanity_val_steps": 0,
+                    "logger": False,
+                    "enable_checkpointing": False,
+                    "enable_progress_bar": False,
+                    "enable_model_summary": False,
+                    "use_distributed_sampler": False,
+                    "default_root_dir": root,
+                    "callbacks": [_Measure.callback(result, fake_mode, accumulate)],
+                    "plugins": [*_as_list(trainer_kwargs.get("plugins")), _cluster(world_size, rank, devices)],
+                }
+            )
+        except Exception as err:
+            raise _refusal("Lightning refuses these Trainer arguments", err) from err
+        module = _on_meta(module_factory)
+        if not isinstance(trainer.strategy, ModelParallelStrategy):  # ours (and FSDP) materialize a meta model
+            with fake_mode:  # made fake where a data-parallel strategy would move it
+                module._apply(functools.partial(_fake_on, trainer.strategy.root_device))
+        # logging is host bookkeeping of (here fake) scalars, not device memory
+        module.log = lambda *args, **kwargs: None
+        module.log_dict = lambda *args, **kwargs: None
+        # the simulated module is thrown away: teardown's move to the host is skipped (torch cannot swap a fake
+        # parameter for its host copy)
+        module.cpu = lambda: module
+        try:
+            trainer.fit(module, train_dataloaders=_host_loader(batch, 2 * accumulate))
+        except Exception as err:
+            raise _refusal("the simulated run stopped", err) from err
+    if "collectives" not in result:
+        raise patches.EstimateError(
+            "lightning_trn.estimate: the simulated run ended before its second optimizer step (does the module's "
+            "training_step return None on every batch, or stop the fit?)."
+        )
+    return _rank_memory(rank, _device_snapshot(result["tracker"].get_tracker_snapshot("peak"))), result["collectives"]
+
+
+def _refusal(where: str, err: Exception) -> patches.EstimateError:
+    """The paragraph an estimate that cannot run ends with: Lightning's own refusal of the job (a real run stops the
+    same way), or what the simulation could not do, with the error's own words."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if isinstance(err, patches.EstimateError):
+        return err
+    frames = []
+    traceback = err.__traceback__
+    while traceback is not None:
+        frames.append(traceback.tb_frame.f_code.co_filename)
+        traceback = traceback.tb_next
+    # raised by Lightning or the plugin (not inside torch): their checks of the job as configured
+    configuration = isinstance(err, (MisconfigurationException, ValueError, TypeError, RuntimeError))
+    if configuration and not (frames and "/torch/" in frames[-1]):
+        return patches.EstimateError(
+            f"lightning_trn.estimate: {where}: {type(err).__name__}: {err} A real run of this job stops the same "
+            "way: change the module or the Trainer arguments, then estimate again."
+        )
+    return patches.EstimateError(
+        f"lightning_trn.estimate could not simulate this job ({where} in {frames[-1] if frames else 'the simulation'}: "
+        f"{type(err).__name__}: {err}). The simulation runs Trainer.fit on fake tensors (no values: code that "
+        "reads a tensor's value on the host, or a torch feature without fake-tensor support, cannot run there) and a "
+        "fake process group. Estimate the module without that part (e.g. the eager model instead of a compiled "
+        "one), or measure one real step on the device with torch.neuron.max_memory_allocated()."
+    )
+
+
+def _device_snapshot(snapshot: dict[torch.device, dict[Any, int]]) -> dict[Any, int]:
+    return next((snap for device, snap in snapshot.items() if device.type != "cpu"), {})
+
+
+def _fake_on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor's fake counterpart on `device` (under the fake mode); other tensors as they are."""
+    return torch.empty_like(tensor, device=device) if tensor.is_meta else tensor
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def default_platform(trainer_kwargs: dict[str, Any]) -> str:
+    """The chip the job is for when not named: this host's, else Trn1 for ZeRO-1 / DDP on the XLA stack's names,
+    else Trn2 (sharded models need the native stack)."""
+    from lightning_trn.runtime import get_runtime
+
+    chip = get_runtime().chip()
+    if chip is not None:
+        return chip
+    strategy = trainer_kwargs.get("strategy")
+    return "trn1" if strategy in ("neuron_zero1", "neuron_ddp") else "trn2"
+
+
+def describe(platform: str, device: str, world_size: int, nodes: int, ranks: Sequence[int]) -> str:
+    """The report's first line: which stack and platform are simulated, on what."""
+    stack = "XLA stack (torch-neuronx 2.9), its training state exact" if platform in XLA_PLATFORMS else "native stack"
+    return (
+        f"simulated: {platform}, {stack}, on {device} (torch {torch.__version__}, fake tensors, fake process group): "
+        f"{world_size} ranks on {nodes} node(s), rank(s) {', '.join(map(str, ranks))}"
+    )
+
+
+def estimate(
+    module_factory: Callable[[], Any],
+    batch: Any,
+    *,
+    platform: str | None = None,
+    ranks: Sequence[int] = (0,),
+    caller: str = API,
+    **trainer_kwargs: Any,
+) -> Estimate:
+    """Estimate the device memory per rank and the collectives of one training step of the job
+    `Trainer(**trainer_kwargs).fit(module_factory(), ...)` at its real world size, in this process.
+
+    Args:
+        module_factory: builds the LightningModule as the training script does; called once per simulated rank,
+            under `torch.device("meta")` (nothing is allocated, however large the model).
+        batch: one micro-batch as the training loader yields it (a pytree of tensors of any device: meta tensors
+            allocate nothing); only shapes and dtypes are used.
+        platform: "trn1", "trn2" or "trn3": the capacity, margin and reserved memory per rank (`PLATFORMS`);
+            default `default_platform`.
+        ranks: the ranks to simulate; ranks whose shards have the same shapes use the same memory, so rank 0 stands
+            for all of them under FSDP2 (evenly padded shards), tensor parallelism and ZeRO-1 (evenly padded chunks).
+        caller: whose terms the advice uses: `"api"` (Trainer and strategy arguments) or `"recipe"` (recipe keys).
+        trainer_kwargs: the Trainer arguments of the job (`accelerator="neuron"`, `devices`, `num_nodes`,
+            `strategy`, `precision`, `accumulate_grad_batches`, ...). Loop lengths, logging and checkpointing are
+            the estimator's.
+
+    Runs with or without `LIGHTNING_TRN_STANDIN`: where no Neuron stack is installed the CPU stand-in is loaded and
+    shows `devices` devices during the simulation (up to 64 per node; more ranks go in `num_nodes`).
+
+    Raises:
+        EstimateError: the environment cannot simulate (the XLA stack's torch, an untested torch), a process group
+            exists already, Lightning refuses the job as configured, or the simulation cannot run the module; the
+            message says which and what to do.
+    """
+    if caller not in (API, RECIPE):
+        raise ValueError(f"caller={caller!r}: expected {API!r} or {RECIPE!r}.")
+    device = patches.native_device()
+    platform = platform or default_platform(trainer_kwargs)
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r}: expected one of {', '.join(PLATFORMS)}.")
+    devices, nodes = int(trainer_kwargs.get("devices", 1)), int(trainer_kwargs.get("num_nodes", 1))
+    if devices > 64:
+        raise patches.EstimateError(
+            f"devices={devices}: a node has at most 64 NeuronCores (trn2.48xlarge's logical cores); give the ranks "
+            f"of more nodes with num_nodes (e.g. devices=64, num_nodes={max(2, -(-devices // 64))})."
+        )
+    memories: list[Any] = []
+    collectives: list[Any] = []
+    for rank in ranks:
+        memory, step_collectives = simulate_rank(module_factory, batch, rank, **trainer_kwargs)
+        memories.append(memory)
+        collectives = collectives or step_collectives
+    world_size = devices * nodes
+    notes = [XLA_NOTE] if platform in XLA_PLATFORMS else []
+    return Estimate(
+        world_size,
+        platform,
+        int(CAPACITY_GIB[platform] * 2**30),
+        memories,
+        collectives,
+        notes,
+        simulated=describe(platform, device, world_size, nodes, ranks),
+        caller=caller,
+    )

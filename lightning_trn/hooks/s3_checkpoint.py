@@ -1,0 +1,48 @@
+"""Lightning's model-parallel strategies read and write torch.distributed.checkpoint (DCP) directories through two
+module functions, `_distributed_checkpoint_save(state, path)` and `_distributed_checkpoint_load(state, path)`, which
+let torch pick a filesystem reader or writer for the local `path`. Replaced here: a call for a directory that
+`lightning_trn.core.s3_checkpoint` redirects (the local shadow of an `s3://` checkpoint) goes to AWS's
+s3torchconnector reader or writer of that checkpoint's S3 version; every other call runs Lightning's function. The
+Trainer's Neuron runs hold these hooks with the others (`registry.HOOKS`); Fabric's model-parallel strategy from
+`setup_module` on, as its DTensor rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning_trn.core import s3_checkpoint
+
+
+def redirecting_save(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """`_distributed_checkpoint_save`, to S3 for a redirected directory."""
+    if original is None:
+        return None
+
+    def save(converted_state: dict[str, Any], path: Any) -> None:
+        target = s3_checkpoint.redirect_target(path)
+        if target is None:
+            original(converted_state, path)
+            return
+        from torch.distributed.checkpoint import save as dcp_save
+
+        dcp_save(converted_state, storage_writer=s3_checkpoint.storage_writer(target))
+
+    return save
+
+
+def redirecting_load(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """`_distributed_checkpoint_load`, from S3 for a redirected directory."""
+    if original is None:
+        return None
+
+    def load(module_state: dict[str, Any], path: Any) -> None:
+        target = s3_checkpoint.redirect_target(path)
+        if target is None:
+            original(module_state, path)
+            return
+        from torch.distributed.checkpoint import load as dcp_load
+
+        dcp_load(module_state, storage_reader=s3_checkpoint.storage_reader(target))
+
+    return load
