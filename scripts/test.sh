@@ -2,7 +2,7 @@
 # Runs both test suites over tests/: the XLA suite on XLA:CPU (current Python, torch 2.9 + torch-xla) and the native
 # suite on the neuron stand-in (.venv-native/, torch 2.13). Each test module's marker (`both`, `xla_only`,
 # `native_only`) says which suites run it; tests/conftest.py routes by it (docs/contributing.md).
-# The two run at the same time, the native one in the background (on two pytest-xdist workers) with its output
+# The two run at the same time, each on two pytest-xdist workers, the native one in the background with its output
 # shown after the XLA suite's. Both run to the end even if one fails; the exit code says if either did.
 # The XLA suite also resumes checkpoints across the two environments (tests/test_cross_backend.py), so the native
 # one must exist.
@@ -34,8 +34,8 @@ lint=$!
   >"$scratch/native.log" 2>&1 &
 native=$!
 status=0
-# the XLA suite in one process: under two workers its multi-process jobs (gloo rendezvous) met once in CI
-LIGHTNING_TRN_REQUIRE_NATIVE=1 python -m pytest --durations=15 "${select[@]}" tests || status=$?
+LIGHTNING_TRN_REQUIRE_NATIVE=1 python -m pytest "${workers[@]}" --durations=15 -p no:cacheprovider \
+  --basetemp="$scratch/xla" "${select[@]}" tests || status=$?
 wait "$native" || status=$?
 echo "================ native suite (.venv-native/, the neuron stand-in) ================"
 cat "$scratch/native.log"

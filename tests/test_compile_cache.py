@@ -22,11 +22,11 @@ from lightning_trn.pytorch.callbacks.compile_cache.archive import (
     list_entries,
     pack_entries,
 )
+from tests.s3_server import SECRET, moto_s3
 
 pytestmark = pytest.mark.xla_only
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-SECRET = "TEST-SECRET-KEY-d41d8cd98f00b204"
 BUCKET = "compile-cache"
 
 #: a short fit in a fresh process; prints the persistent-cache counters as JSON on a RESULT line
@@ -88,28 +88,8 @@ def run_training(tmp_path: Path, **opts: object) -> tuple[dict, str]:
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """A real S3 API (moto's server) on a free local port, with one empty bucket."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-    yield endpoint
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    server.stop()
+    with moto_s3(BUCKET) as endpoint:
+        yield endpoint
 
 
 def s3_keys(endpoint: str, prefix: str) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -52,7 +53,10 @@ class Progress(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        print(f"STOPPED {trainer.global_rank} {trainer.global_step}", flush=True)
+        # every rank writes this line into the one pipe: one write of the whole line, or two ranks' lines can
+        # interleave (print may write the text and the newline separately)
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"STOPPED {trainer.global_rank} {trainer.global_step}\n".encode())
 
 
 class MLP(pl.LightningModule):
