@@ -14,35 +14,31 @@ from typing import Any
 from lightning_trn.core import s3_checkpoint
 
 
-def redirecting_save(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
-    """`_distributed_checkpoint_save`, to S3 for a redirected directory."""
+def _redirecting(
+    original: Callable[..., Any] | None, dcp_function: str, storage: Callable[[Any], dict[str, Any]]
+) -> Callable[..., Any] | None:
+    """`original(state, path)`, except that for a redirected directory DCP's `dcp_function` (`save` / `load`) runs
+    with the S3 storage `storage(target)` gives; None where Lightning has no `original`."""
     if original is None:
         return None
 
-    def save(converted_state: dict[str, Any], path: Any) -> None:
+    def redirected(state: dict[str, Any], path: Any) -> None:
         target = s3_checkpoint.redirect_target(path)
         if target is None:
-            original(converted_state, path)
+            original(state, path)
             return
-        from torch.distributed.checkpoint import save as dcp_save
+        import torch.distributed.checkpoint as dcp
 
-        dcp_save(converted_state, storage_writer=s3_checkpoint.storage_writer(target))
+        getattr(dcp, dcp_function)(state, **storage(target))
 
-    return save
+    return redirected
+
+
+def redirecting_save(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """`_distributed_checkpoint_save`, to S3 for a redirected directory."""
+    return _redirecting(original, "save", lambda target: {"storage_writer": s3_checkpoint.storage_writer(target)})
 
 
 def redirecting_load(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
     """`_distributed_checkpoint_load`, from S3 for a redirected directory."""
-    if original is None:
-        return None
-
-    def load(module_state: dict[str, Any], path: Any) -> None:
-        target = s3_checkpoint.redirect_target(path)
-        if target is None:
-            original(module_state, path)
-            return
-        from torch.distributed.checkpoint import load as dcp_load
-
-        dcp_load(module_state, storage_reader=s3_checkpoint.storage_reader(target))
-
-    return load
+    return _redirecting(original, "load", lambda target: {"storage_reader": s3_checkpoint.storage_reader(target)})
