@@ -12,6 +12,7 @@ if _os.environ.get("LIGHTNING_TRN_STANDIN", "").strip().lower() in ("1", "true",
 
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.pipeline import Pipeline, pipeline_split
 from lightning_trn.core.pretrained import load_pretrained, meta_model_from_pretrained
 from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags, NeuronHealthCheck
 from lightning_trn.pytorch.precision import NeuronPrecision
@@ -35,10 +36,12 @@ __all__ = [
     "NeuronModelParallelStrategy",
     "NeuronPrecision",
     "NeuronUnavailableError",
+    "Pipeline",
     "SingleDeviceNeuronStrategy",
     "__version__",
     "compile",
     "compile_blocks",
     "load_pretrained",
     "meta_model_from_pretrained",
+    "pipeline_split",
 ]

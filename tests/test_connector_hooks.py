@@ -53,6 +53,20 @@ def test_sharded_strategies_are_refused_on_xla_at_construction_naming_what_works
         Trainer(accelerator="neuron", strategy=flag, devices=2, **QUIET)
 
 
+@pytest.mark.xla_only
+@pytest.mark.parametrize("api", ["trainer", "fabric"])
+def test_pipeline_parallelism_is_refused_on_xla_naming_the_native_backend(api):
+    """Pipeline stages need eager stages on the native backend: the refusal says so, not the general FSDP one."""
+    from lightning_trn.fabric import NeuronModelParallelStrategy as FabricStrategy
+    from lightning_trn.pytorch.strategies import NeuronModelParallelStrategy
+
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2\) is not available on .*xla.*native backend"):
+        if api == "trainer":
+            NeuronModelParallelStrategy(pipeline_parallel_size=2)
+        else:
+            FabricStrategy(lambda module, mesh: module, pipeline_parallel_size=2)
+
+
 def test_cpu_runs_keep_lightnings_strategies():
     trainer = Trainer(accelerator="cpu", strategy="ddp_spawn", devices=2, **QUIET)
     assert type(trainer.strategy) is DDPStrategy

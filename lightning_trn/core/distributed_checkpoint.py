@@ -170,14 +170,31 @@ def _set(root: dict[str, Any], path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def _by_position(optimizer: dict[str, Any]) -> dict[str, Any]:
+def _by_position(optimizer: dict[str, Any], model_names: list[str]) -> dict[str, Any]:
     """An optimizer state keyed by parameter name (DCP) keyed by position instead, as `optimizer.state_dict()` is:
-    positions count the parameters through the groups in order."""
-    names = [name for group in optimizer.get("param_groups", []) for name in group["params"]]
+    positions count the parameters through the groups in order.
+
+    A pipeline-parallel checkpoint holds each stage's parameters' state, but DCP kept one rank's `param_groups`,
+    which name that rank's parameters only: with one group, the group is then every parameter with state, in the
+    model's order (`model_names`, the checkpoint's `state_dict` keys)."""
+    groups = optimizer.get("param_groups", [])
+    listed_names = {name for group in groups for name in group["params"]}
+    unlisted = [name for name in optimizer.get("state", {}) if name not in listed_names]
+    if unlisted:
+        if len(groups) != 1:
+            raise ValueError(
+                f"The optimizer state names {len(unlisted)} parameters its {len(groups)} param groups do not list (a "
+                "pipeline-parallel checkpoint keeps one stage's groups): with several groups their positions are "
+                "unknown. Load the directory with the strategy that wrote it, or with one param group."
+            )
+        order = {name: index for index, name in enumerate(model_names)}
+        merged = sorted([*groups[0]["params"], *unlisted], key=lambda name: order.get(name, len(order)))
+        groups = [{**groups[0], "params": merged}]
+    names = [name for group in groups for name in group["params"]]
     position = {name: index for index, name in enumerate(names)}
-    groups = [{**group, "params": [position[name] for name in group["params"]]} for group in optimizer["param_groups"]]
+    by_position = [{**group, "params": [position[name] for name in group["params"]]} for group in groups]
     state = {position[name]: value for name, value in optimizer.get("state", {}).items()}
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": by_position}
 
 
 def _is_named_optimizer_state(value: Any) -> bool:
@@ -192,9 +209,10 @@ def _one_file_format(saved: dict[str, Any], meta: dict[str, Any]) -> dict[str, A
     entries become `optimizer_states`, every optimizer state is keyed by position."""
     checkpoint = {**meta}
     optimizers: dict[int, Any] = {}
+    model_names = list(saved.get("state_dict", {}))
     for key, value in saved.items():
         match = _OPTIMIZER_KEY.fullmatch(key)
-        value = _by_position(value) if _is_named_optimizer_state(value) else value
+        value = _by_position(value, model_names) if _is_named_optimizer_state(value) else value
         if match and "state_dict" in saved:
             optimizers[int(match.group(1))] = value
         else:

@@ -3,7 +3,8 @@
 torch's `clip_grad_norm_` stacks every gradient's norm, which fails when plain tensors (parameters a tensor-parallel
 plan replicates) and DTensors, or DTensors of different meshes, are mixed. Here the norm is taken per group of the
 same mesh and placements (one reduction per group), the groups' norms combined, and every gradient scaled by one
-coefficient: the norm and the clipping of one unsharded model.
+coefficient: the norm and the clipping of one unsharded model. Under pipeline parallelism each rank holds the
+gradients of its stages only: the norm is then combined over the pipeline group too.
 """
 
 from __future__ import annotations
@@ -29,15 +30,21 @@ def clip_grad_norm_(
     max_norm: float | int,
     norm_type: float | int = 2.0,
     error_if_nonfinite: bool = False,
+    group: Any = None,
 ) -> Tensor:
     """`torch.nn.utils.clip_grad_norm_` that also takes gradients of mixed layouts; returns the total norm (a plain
-    tensor). With one layout it is torch's function itself."""
+    tensor). With one layout and no `group` it is torch's function itself.
+
+    Args:
+        group: a process group whose ranks hold the gradients of other parameters (the pipeline stages): the norm is
+            that of all their gradients together.
+    """
     parameters = [p for p in parameters if p.grad is not None]
     groups: dict[Any, list[Tensor]] = {}
     for parameter in parameters:
         grad = parameter.grad
         groups.setdefault(_layout(grad), []).append(grad)  # type: ignore[arg-type]  # not None: filtered above
-    if len(groups) <= 1:
+    if len(groups) <= 1 and group is None:
         total = torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
     norms = []
@@ -45,7 +52,23 @@ def clip_grad_norm_(
         norm = get_total_norm(grads, norm_type, error_if_nonfinite)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = get_total_norm(norms, norm_type, error_if_nonfinite)
+    if group is not None:
+        total = _combined(total, float(norm_type), group)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if not groups:
+        return total
     local = [g.to_local() if hasattr(g, "to_local") else g for grads in groups.values() for g in grads]
     torch._foreach_mul_(local, coefficient.to(local[0].device))  # each shard, in place
     return total
+
+
+def _combined(norm: Tensor, norm_type: float, group: Any) -> Tensor:
+    """The norm of the gradients of all ranks of `group`, from each rank's norm of its own."""
+    import torch.distributed as dist
+
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.float() ** norm_type
+    dist.all_reduce(powered, group=group)
+    return powered ** (1.0 / norm_type)

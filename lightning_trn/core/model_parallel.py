@@ -33,10 +33,20 @@ _LIGHTNING_ARGUMENTS = {
 }
 
 
-def check_shards_models(runtime: DeviceRuntime, what: str) -> None:
-    """Raise the one-paragraph refusal for sharded strategies on a backend that cannot shard models (XLA)."""
+def check_shards_models(runtime: DeviceRuntime, what: str, pipeline_parallel_size: int = 1) -> None:
+    """Raise the one-paragraph refusal for sharded strategies on a backend that cannot shard models (XLA), one
+    that says so for pipeline parallelism where it was asked for."""
     if runtime.shards_models:
         return
+    if pipeline_parallel_size > 1:
+        raise ValueError(
+            f"{what}(pipeline_parallel_size={pipeline_parallel_size}) is not available on lightning_trn's "
+            f"{runtime.name} backend (torch-neuronx with torch_xla, the training stack of Trn1): pipeline "
+            "parallelism runs `torch.distributed.pipelining`'s schedules eagerly, stage by stage, with tensors "
+            "handed between processes, and Neuron's XLA stack has neither eager stages nor GSPMD pipelining here. "
+            "Run it on the native backend (TorchNeuron on Trn2/Trn3, `LIGHTNING_TRN_BACKEND=native`); on Trn1, fit "
+            "the model with ZeRO-1, `strategy='neuron_zero1'`, and activation checkpointing (docs/memory.md)."
+        )
     raise ValueError(
         f"{what} is not available on lightning_trn's {runtime.name} backend (torch-neuronx with torch_xla, the "
         "training stack of Trn1): FSDP2 and tensor parallelism (Lightning's ModelParallelStrategy and FSDPStrategy) "
@@ -291,13 +301,14 @@ def load_seed_checkpoint(module: Module, path: _PATH) -> None:
             read_into(tensor, file, name)
 
 
-def broadcast_replicated(module: Module, device: torch.device) -> None:
+def broadcast_replicated(module: Module, device: torch.device, group: Any = None, alone: bool = False) -> None:
     """Make what every rank holds alike equal to the first rank's, in place: plain (non-DTensor) parameters and
     buffers over all ranks, and the local tensor of each DTensor over every mesh dimension it is replicated on (HSDP's
     replicate dimension, NO_SHARD, replicated tensor-parallel weights). Each rank drew these from its own generator,
     so one rank that drew once more than the others (a data loader, a dropout) would otherwise train diverging
     replicas unnoticed. Costs one broadcast per such tensor at setup; sharded tensors, and tensors not on `device`'s
-    type (offloaded to the host), are not touched."""
+    type (offloaded to the host), are not touched. Under pipeline parallelism plain tensors are broadcast over
+    `group`, the ranks holding the same stages (`alone`: no other rank does)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -308,23 +319,138 @@ def broadcast_replicated(module: Module, device: torch.device) -> None:
             if local.device.type != device.type:
                 continue
             if not isinstance(tensor, DTensor):
-                dist.broadcast(local, src=0)
+                if not alone:
+                    dist.broadcast(local, group=group, group_src=0)
                 continue
             for dim, placement in enumerate(tensor.placements):
                 if isinstance(placement, Replicate):
                     dist.broadcast(local, group=tensor.device_mesh.get_group(dim), group_src=0)
 
 
-def check_mesh_sizes(strategy: Any, data: Any, tensor: Any) -> None:
-    """Check, once the devices and nodes are known (at `Trainer(...)` / `Fabric(...)`), that a (data-parallel x
-    tensor-parallel) mesh, each size a number or "auto", covers the run's processes exactly."""
+#: the device mesh's dimensions, outermost first (TorchTitan's order: pipeline stages across nodes, tensor parallel
+#: inside a node); "pipeline_parallel" and "replicate" are in the mesh only when above 1, so a module written for
+#: Lightning's 2-D mesh ("data_parallel", "tensor_parallel") runs unchanged
+MESH_DIMENSIONS = ("pipeline_parallel", "replicate", "data_parallel", "tensor_parallel")
+
+
+def mesh_sizes(
+    num_nodes: int,
+    num_processes: int,
+    data: Any,
+    tensor: Any,
+    pipeline: int = 1,
+    replicate: int = 1,
+) -> dict[str, int]:
+    """The size of each of `MESH_DIMENSIONS`, "auto" resolved: as Lightning's `ModelParallelStrategy` without
+    pipeline stages or replicas (tensor parallel = devices of a node, data parallel = nodes); with them, tensor
+    parallel 1 and data parallel what the other sizes leave of the world."""
+    world = num_nodes * num_processes
+    if pipeline * replicate == 1:
+        tensor = num_processes if tensor == "auto" else tensor
+        data = num_nodes if data == "auto" else data
+    else:
+        tensor = 1 if tensor == "auto" else tensor
+        data = max(world // (pipeline * replicate * tensor), 1) if data == "auto" else data
+    return dict(zip(MESH_DIMENSIONS, (pipeline, replicate, data, tensor), strict=True))
+
+
+def check_mesh_sizes(strategy: Any, data: Any, tensor: Any, pipeline: int = 1, replicate: int = 1) -> None:
+    """Check, once the devices and nodes are known (at `Trainer(...)` / `Fabric(...)`), that the mesh (pipeline x
+    replicate x data-parallel x tensor-parallel, as TorchTitan's `ParallelDims` checks it) covers the run's processes
+    exactly, each size a positive number (data and tensor may be "auto")."""
     num_nodes, num_processes = strategy.num_nodes, strategy.num_processes
-    sizes = (num_nodes if data == "auto" else data) * (num_processes if tensor == "auto" else tensor)
+    given = {"pipeline_parallel_size": pipeline, "replicate_size": replicate}
+    given |= {"data_parallel_size": data, "tensor_parallel_size": tensor}
+    for name, size in given.items():
+        if size != "auto" and (not isinstance(size, int) or size < 1):
+            raise ValueError(
+                f"{type(strategy).__name__}({name}={size!r}): each mesh size is a positive whole number"
+                + (' or "auto".' if name in ("data_parallel_size", "tensor_parallel_size") else ".")
+            )
+    sizes = mesh_sizes(num_nodes, num_processes, data, tensor, pipeline, replicate)
     processes = num_nodes * num_processes
-    if sizes != processes:
+    product = pipeline * replicate * sizes["data_parallel"] * sizes["tensor_parallel"]
+    if product != processes:
+        shown = ("data_parallel_size", "tensor_parallel_size")
+        arguments = ", ".join(f"{name}={size!r}" for name, size in given.items() if size != 1 or name in shown)
+        resolved = " x ".join(f"{name} {size}" for name, size in sizes.items() if size != 1) or "1"
         raise ValueError(
-            f"{type(strategy).__name__}(data_parallel_size={data!r}, tensor_parallel_size={tensor!r}) needs {sizes} "
-            f"processes, the run has {processes} (devices={num_processes} x num_nodes={num_nodes}). "
-            "Choose sizes whose product is devices x num_nodes; tensor parallelism is fastest within a node, "
-            "e.g. tensor_parallel_size=devices and data_parallel_size=num_nodes (the defaults, 'auto')."
+            f"{type(strategy).__name__}({arguments}) needs {product} processes, the run has {processes} "
+            f"(devices={num_processes} x num_nodes={num_nodes}; the mesh: {resolved}). Choose sizes whose product is "
+            "devices x num_nodes; "
+            "tensor parallelism is fastest within a node, e.g. tensor_parallel_size=devices and "
+            "data_parallel_size=num_nodes (the defaults, 'auto'); pipeline stages and HSDP replicas go across nodes "
+            "(pipeline_parallel_size or replicate_size = num_nodes)."
         )
+
+
+def build_device_mesh(sizes: dict[str, int], device_type: str) -> Any:
+    """The device mesh of `sizes` (`mesh_sizes`): "data_parallel" and "tensor_parallel" always, "pipeline_parallel"
+    and "replicate" where above 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dimensions = {name: size for name, size in sizes.items() if size > 1 or name in MESH_DIMENSIONS[2:]}
+    return init_device_mesh(device_type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
+
+
+def data_parallel_sampler_kwargs(mesh: Any) -> dict[str, int]:
+    """A `DistributedSampler`'s `num_replicas` and `rank`: the replicate and data-parallel dimensions together
+    (HSDP's replicas read different data too; a pipeline's stages and a tensor-parallel group read the same)."""
+    names = mesh.mesh_dim_names
+    rank, size = 0, 1
+    for name in ("replicate", "data_parallel"):
+        if name in names:
+            rank, size = rank * mesh[name].size() + mesh[name].get_local_rank(), size * mesh[name].size()
+    return {"num_replicas": size, "rank": rank}
+
+
+def check_replicated_sharding(module: Module, mesh: Any) -> None:
+    """With HSDP replicas, refuse a module sharded over the data-parallel dimension alone: its gradients would never
+    be reduced over the replicas, and the replicas would drift apart silently."""
+    if "replicate" not in mesh.mesh_dim_names:
+        return
+    from torch.distributed.tensor import DTensor
+
+    alone = sorted(
+        name
+        for name, parameter in module.named_parameters()
+        if isinstance(parameter, DTensor)
+        and "data_parallel" in (parameter.device_mesh.mesh_dim_names or ())
+        and "replicate" not in (parameter.device_mesh.mesh_dim_names or ())
+    )
+    if alone:
+        raise ValueError(
+            f"The device mesh has a replicate dimension (replicate_size={mesh['replicate'].size()}), but "
+            f"{listed(alone)} are sharded over `device_mesh['data_parallel']` alone: their gradients would not be "
+            "reduced over the replicas. Shard with HSDP's 2-D mesh, "
+            "`fully_shard(module, mesh=device_mesh['replicate', 'data_parallel'])`."
+        )
+
+
+def setup_outer_mesh(
+    strategy: Any, lightning_setup: Callable[[], None], pipelining: Any, replicate_size: int, precision: Any
+) -> None:
+    """A Neuron `ModelParallelStrategy`'s `setup_environment` (Trainer and Fabric): Lightning's own
+    (`lightning_setup`), and with pipeline stages or HSDP replicas the N-D mesh (`build_device_mesh`) in place of
+    Lightning's 2-D one, which is built over a data-parallel size standing for the outer dimensions together; then
+    the pipeline groups (`lightning_trn.core.pipeline.Pipelining.setup`) and the group gradient clipping takes the
+    norm over."""
+    outer = pipelining.size * replicate_size
+    if outer == 1:
+        lightning_setup()
+        return
+    sizes = mesh_sizes(
+        strategy.num_nodes,
+        strategy.num_processes,
+        strategy._data_parallel_size,
+        strategy._tensor_parallel_size,
+        pipelining.size,
+        replicate_size,
+    )
+    strategy._data_parallel_size = outer * sizes["data_parallel"]
+    strategy._tensor_parallel_size = sizes["tensor_parallel"]
+    lightning_setup()
+    strategy._data_parallel_size = sizes["data_parallel"]
+    strategy._device_mesh = build_device_mesh(sizes, strategy.root_device.type)
+    pipelining.setup(strategy._device_mesh, strategy.root_device, strategy._process_group_backend)
+    precision.gradient_norm_group = pipelining.norm_group

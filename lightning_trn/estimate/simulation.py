@@ -490,6 +490,12 @@ def estimate(
             f"devices={devices}: a node has at most 64 NeuronCores (trn2.48xlarge's logical cores); give the ranks "
             f"of more nodes with num_nodes (e.g. devices=64, num_nodes={max(2, -(-devices // 64))})."
         )
+    if getattr(trainer_kwargs.get("strategy"), "pipeline_parallel_size", 1) > 1:
+        raise patches.EstimateError(
+            "The estimator does not simulate pipeline stages yet (pipeline_parallel_size > 1): estimate the layout "
+            "of one stage instead, its share of the layers on pipeline_parallel_size times fewer ranks, plus the "
+            "activations of the microbatches the schedule holds (docs/sharding.md, 'Pipeline parallelism and HSDP')."
+        )
     memories: list[Any] = []
     collectives: list[Any] = []
     for rank in ranks:

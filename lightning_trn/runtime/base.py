@@ -94,6 +94,10 @@ class DeviceRuntime(ABC):
     has_compile_cache: bool = False
     #: whether models can be sharded with torch's DTensor, FSDP2 and tensor parallelism on this backend's devices
     shards_models: bool = False
+    #: whether this backend's process groups have `send`/`recv` (pipeline stages then use them; else broadcasts in
+    #: 2-rank groups, `lightning_trn.core.stage_transport`). TorchNeuron's are not confirmed: its source snapshot
+    #: has none, its docs do not say
+    point_to_point: bool = False
     #: whether the Neuron runtime under this backend rounds bf16 results stochastically when
     #: `NEURON_RT_STOCHASTIC_ROUNDING_EN=1` (documented for the XLA stack; TorchNeuron's docs and source name no switch)
     runtime_rounds_bf16: bool = False

@@ -174,7 +174,13 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
         """Clip by the norm of all gradients together, DTensor gradients (FSDP2, tensor parallel) whatever their
         meshes (`lightning_trn.core.gradients`)."""
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+        return clip_grad_norm_(
+            self.precision.main_params(optimizer),
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            group=getattr(self.precision, "gradient_norm_group", None),
+        )
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

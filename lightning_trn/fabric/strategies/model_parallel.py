@@ -1,6 +1,9 @@
 """Fabric's `NeuronModelParallelStrategy`: Lightning's `ModelParallelStrategy` (FSDP2 + tensor parallel) on
 NeuronCores: `Fabric(accelerator="neuron", strategy=ModelParallelStrategy(parallelize_fn, ...))` builds it with the
-same arguments, and `fabric.setup` runs `parallelize_fn(module, device_mesh)` on the `neuron` device mesh."""
+same arguments, and `fabric.setup` runs `parallelize_fn(module, device_mesh)` on the `neuron` device mesh. Beyond
+Lightning's two dimensions the mesh may have HSDP replicas (`replicate_size`) and pipeline stages
+(`pipeline_parallel_size`): `parallelize_fn` splits the model with `lightning_trn.pipeline_split(module, loss_fn,
+fabric.strategy)` and the loop calls the returned `Pipeline`'s `step` (`lightning_trn.core.pipeline`)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
 from lightning.fabric.utilities.types import _Stateful
+from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -26,10 +30,14 @@ from lightning_trn.core.dtensor_random import refuse_local_dropout
 from lightning_trn.core.model_parallel import (
     broadcast_replicated,
     check_mesh_sizes,
+    check_replicated_sharding,
     check_shards_models,
+    data_parallel_sampler_kwargs,
     host_values_to_meta,
     materialize,
+    setup_outer_mesh,
 )
+from lightning_trn.core.pipeline import LossFn, Pipeline, Pipelining
 from lightning_trn.core.process_group import ProcessGroup
 from lightning_trn.fabric.strategies.base import NeuronFabricStrategyBase
 from lightning_trn.hooks import registry as lightning_hooks
@@ -49,6 +57,8 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         seed_checkpoint: a directory written by `lightning_trn.core.model_parallel.write_seed_checkpoint`: a model
             built on the meta device reads each rank's shards from it instead of drawing its initial weights on
             every rank's host.
+        pipeline_parallel_size, replicate_size, pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank,
+            stage_transport: as the Trainer's `NeuronModelParallelStrategy`.
 
     Raises:
         ValueError: on a backend that cannot shard models (XLA), at construction.
@@ -77,8 +87,14 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         seed_checkpoint: str | Path | None = None,
+        pipeline_parallel_size: int = 1,
+        replicate_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_stages_per_rank: int = 2,
+        stage_transport: str | None = None,
     ) -> None:
-        check_shards_models(self.runtime, type(self).__name__)
+        check_shards_models(self.runtime, type(self).__name__, pipeline_parallel_size)
         super().__init__(
             parallelize_fn=self._parallelize_and_materialize,
             data_parallel_size=data_parallel_size,
@@ -90,6 +106,46 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         )
         self._user_parallelize_fn = parallelize_fn
         self._seed_checkpoint = seed_checkpoint
+        self._replicate_size = replicate_size
+        self._pipelining = Pipelining(
+            pipeline_parallel_size,
+            pipeline_schedule,
+            pipeline_microbatches,
+            pipeline_stages_per_rank,
+            stage_transport,
+            self.runtime.point_to_point,
+        )
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self._pipelining.size
+
+    @override
+    def setup_environment(self) -> None:
+        """Lightning's, with the N-D mesh where there are pipeline stages or replicas (`setup_outer_mesh`)."""
+        setup_outer_mesh(self, super().setup_environment, self._pipelining, self._replicate_size, self.precision)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data-parallel ranks are the replicas and the shards together; a pipeline's stages read the same
+        batch."""
+        return data_parallel_sampler_kwargs(self.device_mesh)
+
+    def _pipeline_for(self, model: Module, loss_fn: LossFn, layers: str | None) -> Pipeline:
+        """`lightning_trn.pipeline_split` with this strategy (a Fabric loop divides its loss for accumulation
+        itself, in `loss_fn`)."""
+        return self._pipelining.split(model, loss_fn, layers)
+
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        """`fabric.backward`, except for a loss whose pipeline step ran its backward already: then only the
+        precision's hooks around it run, so one loop serves with and without stages."""
+        if not self._pipelining.take_backward():
+            super().backward(tensor, module, *args, **kwargs)
+            return
+        self.precision.pre_backward(tensor, module)
+        self.precision.post_backward(tensor, module)
 
     def _parallelize_and_materialize(self, module: Module, device_mesh: Any) -> Module:
         """The user's `parallelize_fn` on the module's meta twin, then each rank's shards (and what `parallelize_fn`
@@ -101,7 +157,8 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         if isinstance(module, Module):
             materialize(module, self.root_device, self._seed_checkpoint, host_values)
             if self.world_size > 1:  # what FSDP1's `sync_module_states=True` asked for, always
-                broadcast_replicated(module, self.root_device)
+                broadcast_replicated(module, self.root_device, *self._pipelining.stage_peers)
+            check_replicated_sharding(module, device_mesh)
             refuse_local_dropout(module, self)
         # random ops on the sharded module's DTensors (`init_weights()` after `setup`): the `neuron` rule from here
         # on; Fabric has no teardown to put torch's back at, and the rule leaves other devices' meshes to torch
@@ -111,7 +168,8 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
     @override
     def _configure_launcher(self) -> None:
         """Called once the devices and nodes are known (at `Fabric(...)`): check the mesh fits."""
-        check_mesh_sizes(self, self._data_parallel_size, self._tensor_parallel_size)
+        data, tensor = self._data_parallel_size, self._tensor_parallel_size
+        check_mesh_sizes(self, data, tensor, self.pipeline_parallel_size, self._replicate_size)
         super()._configure_launcher()
 
     @override

@@ -3,6 +3,8 @@
 A LightningModule written for it on GPUs (`configure_model` with `fully_shard` / `parallelize_module` on
 `self.device_mesh`, `trainer.init_module(empty_init=True)`, `loss_parallel`) runs with `accelerator="neuron"`:
 `Trainer(accelerator="neuron", strategy=ModelParallelStrategy(...))` builds this strategy with the same arguments.
+Beyond Lightning's two dimensions the mesh may have HSDP replicas (`replicate_size`) and pipeline stages
+(`pipeline_parallel_size`, `lightning_trn.core.pipeline`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,25 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trn.core.async_save import AsyncCheckpointer
 from lightning_trn.core.distributed_checkpoint import LIGHTNING_META_FILE
 from lightning_trn.core.dtensor_random import refuse_local_dropout
-from lightning_trn.core.model_parallel import broadcast_replicated, check_mesh_sizes, check_shards_models, materialize
+from lightning_trn.core.model_parallel import (
+    broadcast_replicated,
+    check_mesh_sizes,
+    check_replicated_sharding,
+    check_shards_models,
+    data_parallel_sampler_kwargs,
+    materialize,
+    setup_outer_mesh,
+)
+from lightning_trn.core.pipeline import LossFn, Pipeline, Pipelining
 from lightning_trn.core.process_group import ProcessGroup
 from lightning_trn.pytorch.strategies.base import NeuronStrategyBase
 
@@ -43,6 +57,15 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         seed_checkpoint: a directory written by `lightning_trn.core.model_parallel.write_seed_checkpoint` from the
             LightningModule: a model built on the meta device reads each rank's shards from it instead of drawing its
             initial weights on every rank's host.
+        pipeline_parallel_size: ranks of a pipeline (stages of the model, split in `configure_model` with
+            `lightning_trn.pipeline_split`); the mesh's outermost dimension, "pipeline_parallel".
+        replicate_size: HSDP replicas: `fully_shard(..., mesh=self.device_mesh["replicate", "data_parallel"])`
+            shards within a replica and reduces gradients over all of them.
+        pipeline_schedule: "GPipe", "1F1B", "Interleaved1F1B" or "ZBVZeroBubble" (`torch.distributed.pipelining`).
+        pipeline_microbatches: microbatches a batch is split into; None: the number of stages.
+        pipeline_stages_per_rank: stages on each rank for the interleaved schedules.
+        stage_transport: how stages exchange tensors: "broadcast" (2-rank broadcasts) or "send_recv"; None: the
+            backend's point-to-point where it has it, else broadcasts.
 
     Raises:
         ValueError: on a backend that cannot shard models (XLA), at construction.
@@ -57,6 +80,7 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         "materialize",
         *_BASE_STEPS,
         "broadcast_replicated",
+        "check_replicated_sharding",
         "refuse_local_dropout",
         "sync_torchmetrics",
         "agree_on_sigterm",
@@ -71,8 +95,14 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         seed_checkpoint: str | Path | None = None,
+        pipeline_parallel_size: int = 1,
+        replicate_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_stages_per_rank: int = 2,
+        stage_transport: str | None = None,
     ) -> None:
-        check_shards_models(self.runtime, type(self).__name__)
+        check_shards_models(self.runtime, type(self).__name__, pipeline_parallel_size)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -82,12 +112,60 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
             process_group=ProcessGroup(process_group_backend, timeout),
         )
         self._seed_checkpoint = seed_checkpoint
+        self._replicate_size = replicate_size
+        self._pipelining = Pipelining(
+            pipeline_parallel_size,
+            pipeline_schedule,
+            pipeline_microbatches,
+            pipeline_stages_per_rank,
+            stage_transport,
+            self.runtime.point_to_point,
+        )
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self._pipelining.size
 
     @override
     def _configure_launcher(self) -> None:
         """Called once the devices and nodes are known (at `Trainer(...)`): check the mesh fits."""
-        check_mesh_sizes(self, self._data_parallel_size, self._tensor_parallel_size)
+        data, tensor = self._data_parallel_size, self._tensor_parallel_size
+        check_mesh_sizes(self, data, tensor, self.pipeline_parallel_size, self._replicate_size)
         super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        """Lightning's, with the N-D mesh where there are pipeline stages or replicas (`setup_outer_mesh`)."""
+        setup_outer_mesh(self, super().setup_environment, self._pipelining, self._replicate_size, self.precision_plugin)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data-parallel ranks are the replicas and the shards together; a pipeline's stages read the same
+        batch."""
+        return data_parallel_sampler_kwargs(self.device_mesh)
+
+    def _pipeline_for(self, model: Module, loss_fn: LossFn, layers: str | None) -> Pipeline:
+        """`lightning_trn.pipeline_split` with this strategy: the loss of each microbatch divided by the gradient
+        accumulation, as Lightning divides the loss it backpropagates."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
+        return self._pipelining.split(model, loss_fn, layers, loss_scale=lambda: 1.0 / accumulation)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward, except for a batch whose pipeline step ran its backward already: then only the
+        hooks around it run."""
+        if not self._pipelining.take_backward():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def _saves_sharded(self) -> bool:
@@ -119,7 +197,11 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         `sync_module_states=True` asked for, always."""
         assert self.model is not None
         if self.world_size > 1:
-            broadcast_replicated(self.model, self.root_device)
+            broadcast_replicated(self.model, self.root_device, *self._pipelining.stage_peers)
+
+    def _check_replicated_sharding(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        check_replicated_sharding(self.model, self.device_mesh)
 
     def _refuse_local_dropout(self, trainer: pl.Trainer) -> None:
         assert self.model is not None

@@ -1,0 +1,388 @@
+"""Pipeline parallelism: a model split into stages by layers, run by a schedule of `torch.distributed.pipelining`.
+
+`pipeline_split(model, loss_fn, strategy)` is what a LightningModule calls in `configure_model` (and a Fabric
+`parallelize_fn`): it keeps on this rank only the parts of `model` its stages hold (in place, so parameter names,
+and with them checkpoints, stay those of the unsplit model) and returns a `Pipeline`, whose `parts` the user then
+parallelizes (tensor parallel, FSDP2) and whose `step` runs one batch through the schedule. Without pipeline
+parallelism (one stage, or another strategy: the reference run on a GPU or CPU) `step` is the model's forward and
+the loss, and Lightning's backward follows as usual, so one LightningModule serves both.
+
+The split follows TorchTitan's convention for Llama: the model's direct children registered before its stack of
+layers (the embedding) go to the first stage, the layers are divided evenly (earlier stages take one more where they
+do not divide), the children after the stack (norm, head) go to the last stage. A child a rank does not hold is
+None, and a layer it does not hold is missing from the stack (a `ModuleList` or `ModuleDict` that keeps the other
+layers' names), so the model's `forward` must skip what it lacks (`x = self.embedding(x) if self.embedding is not
+None else x`, a loop over the layers it has), as TorchTitan's models do.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Module, ModuleDict, ModuleList
+
+#: schedules with one stage per rank; the others run `stages_per_rank` stages on each rank
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+#: schedules whose stages go down the ranks and back up (a "V"): rank r holds stages r and 2 * ranks - 1 - r
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+#: the schedules lightning_trn runs and tests (names of `torch.distributed.pipelining.schedules.get_schedule_class`)
+SCHEDULES = (*SINGLE_STAGE_SCHEDULES, "Interleaved1F1B", "ZBVZeroBubble")
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+def stages_of_rank(schedule: str, rank: int, ranks: int, stages_per_rank: int) -> list[int]:
+    """The stage indices one pipeline rank holds: looped (rank r holds r, r + ranks, ...) or, for V schedules, r and
+    2 * ranks - 1 - r."""
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return [rank]
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + k * ranks for k in range(stages_per_rank)]
+
+
+def stage_rank(schedule: str, stage: int, ranks: int, stages_per_rank: int) -> int:
+    """The pipeline rank that holds `stage`."""
+    return next(r for r in range(ranks) if stage in stages_of_rank(schedule, r, ranks, stages_per_rank))
+
+
+def _layers_name(model: Module, layers: str | None) -> str:
+    if layers is not None:
+        if not isinstance(getattr(model, layers, None), (ModuleList, ModuleDict)):
+            raise ValueError(f"pipeline_split: `model.{layers}` is not a ModuleList or ModuleDict of layers.")
+        return layers
+    stacks = [name for name, child in model.named_children() if isinstance(child, (ModuleList, ModuleDict))]
+    if len(stacks) != 1:
+        raise ValueError(
+            f"pipeline_split: {type(model).__name__} has {len(stacks)} ModuleList/ModuleDict children "
+            f"({', '.join(stacks) or 'none'}); name the stack of layers to split with `layers=`."
+        )
+    return stacks[0]
+
+
+def stage_contents(model: Module, num_stages: int, layers: str | None = None) -> list[list[str]]:
+    """The names of `model`'s parts each stage holds: direct children by name, layers as `<stack>.<key>` (the
+    split TorchTitan's `generate_llm_fqn_per_model_part` makes, with layers divided evenly)."""
+    stack_name = _layers_name(model, layers)
+    names = [name for name, _ in model.named_children()]
+    keys = list(getattr(model, stack_name)._modules)
+    if len(keys) < num_stages:
+        raise ValueError(
+            f"pipeline_split: {len(keys)} layers in `{stack_name}` cannot fill {num_stages} stages: every stage needs "
+            "at least one layer. Use fewer stages (pipeline_parallel_size x stages per rank)."
+        )
+    position = names.index(stack_name)
+    per_stage, extra = divmod(len(keys), num_stages)
+    contents: list[list[str]] = []
+    start = 0
+    for stage in range(num_stages):
+        count = per_stage + (1 if stage < extra else 0)
+        stage_layers = [f"{stack_name}.{key}" for key in keys[start : start + count]]
+        start += count
+        before = names[:position] if stage == 0 else []
+        after = names[position + 1 :] if stage == num_stages - 1 else []
+        contents.append([*before, *stage_layers, *after])
+    return contents
+
+
+def _keep(model: Module, stack_name: str, held: set[str]) -> None:
+    """Drop from `model` (in place) what `held` does not name: children become None, layers leave the stack (whose
+    other layers keep their names)."""
+    for name in list(model._modules):
+        if name == stack_name:
+            stack = model._modules[name]
+            assert stack is not None
+            for key in list(stack._modules):
+                if f"{stack_name}.{key}" not in held:
+                    del stack._modules[key]
+        elif name not in held:
+            model._modules[name] = None
+
+
+def _part(model: Module, stack_name: str, held: set[str]) -> Module:
+    """A view of `model` holding only `held`: a shallow copy sharing the submodules (so the parameters and their
+    names in `model` stay one), for a rank that runs several stages."""
+    part = copy.copy(model)
+    part._modules = dict(model._modules)
+    stack = model._modules[stack_name]
+    assert stack is not None
+    view = copy.copy(stack)
+    view._modules = dict(stack._modules)
+    part._modules[stack_name] = view
+    _keep(part, stack_name, held)
+    return part
+
+
+class Pipeline:
+    """The stages of a model this rank runs and the schedule that runs them; `step` is what `training_step` calls.
+
+    Without pipeline parallelism (`schedule` None) it is the model's forward and `loss_fn`, gradients left to
+    Lightning's backward."""
+
+    def __init__(
+        self,
+        model: Module,
+        loss_fn: LossFn,
+        parts: list[Module] | None = None,
+        build: Callable[[list[Module], LossFn], Any] | None = None,
+        report: Callable[[Tensor | None], Tensor] | None = None,
+        loss_scale: Callable[[], float] = lambda: 1.0,
+        on_backward: Callable[[], None] = lambda: None,
+        microbatches: int = 1,
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        #: the modules this rank's stages run, in stage order: parallelize each of them (TP, FSDP2)
+        self.parts = parts if parts is not None else [model]
+        self.microbatches = microbatches
+        self._build = build
+        self._report = report
+        self._loss_scale = loss_scale
+        self._on_backward = on_backward
+        self._schedule: Any = None
+
+    @property
+    def is_pipelined(self) -> bool:
+        return self._build is not None
+
+    def _scale(self) -> float:
+        """What each microbatch's loss is multiplied by before its backward: the mean over the microbatches (the
+        schedule's own `scale_grads` would divide all gradients, those accumulated from earlier batches too)."""
+        return self._loss_scale() / self.microbatches
+
+    def _scaled_loss(self, output: Any, target: Any) -> Tensor:
+        return self.loss_fn(output, target) * self._scale()
+
+    def _run(self, inputs: tuple[Any, ...], target: Any, train: bool) -> Tensor:
+        assert self._build is not None and self._report is not None
+        if self._schedule is None:  # after `configure_model`: the parts are parallelized and on the device now
+            self._schedule = self._build(self.parts, self._scaled_loss)
+        for input in inputs:
+            if isinstance(input, Tensor) and input.shape[0] % self.microbatches:
+                raise ValueError(
+                    f"A pipeline step splits the batch into {self.microbatches} microbatches; this batch has "
+                    f"{input.shape[0]} samples. Make the per-rank batch size a multiple of the microbatches "
+                    "(`pipeline_microbatches` of the strategy)."
+                )
+        losses: list[Tensor] = []
+        if train:
+            self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+            self._on_backward()
+        else:
+            self._schedule.eval(*inputs, target=target, losses=losses)
+        mean = torch.stack([loss.detach() for loss in losses]).mean() / self._scale() if losses else None
+        return self._report(mean)
+
+    def step(self, *inputs: Any, target: Any) -> Tensor:
+        """One training batch: with stages, the schedule's forward and backward of all microbatches (the strategy
+        skips Lightning's backward for it) and the batch's mean loss, detached, on every rank; without, the loss of
+        the model's forward, for Lightning's backward."""
+        if not self.is_pipelined:
+            return self.loss_fn(self.model(*inputs), target)
+        return self._run(inputs, target, train=True)
+
+    def eval(self, *inputs: Any, target: Any) -> Tensor:
+        """The batch's mean loss without gradients (validation, test): the forward-only schedule with stages."""
+        if not self.is_pipelined:
+            return self.loss_fn(self.model(*inputs), target)
+        with torch.no_grad():
+            return self._run(inputs, target, train=False)
+
+
+def pipeline_split(
+    model: Module,
+    loss_fn: LossFn,
+    strategy: Any,
+    layers: str | None = None,
+) -> Pipeline:
+    """Split `model` into the strategy's pipeline stages (`NeuronModelParallelStrategy(pipeline_parallel_size=...)`,
+    Trainer or Fabric) and return the `Pipeline` whose `step` runs a batch; with another strategy, or one stage,
+    the model whole.
+
+    Args:
+        model: the model to split, in place; its `forward` skips the children and layers it lacks (see above).
+        loss_fn: `(output, target) -> loss` of one microbatch (a mean over its samples).
+        strategy: `self.trainer.strategy` in a LightningModule, `fabric.strategy` with Fabric.
+        layers: the name of the stack of layers (a ModuleList or ModuleDict child); None: the only such child.
+    """
+    split = getattr(strategy, "_pipeline_for", None)
+    if split is None or getattr(strategy, "pipeline_parallel_size", 1) == 1:
+        return Pipeline(model, loss_fn)
+    return split(model, loss_fn, layers)
+
+
+def split_for_rank(
+    model: Module, schedule: str, rank: int, ranks: int, stages_per_rank: int, layers: str | None
+) -> tuple[list[int], list[Module]]:
+    """This pipeline rank's stage indices and the modules that run them: `model` pruned (in place) to what the
+    rank's stages hold, and for several stages one view of it per stage."""
+    stages = stages_of_rank(schedule, rank, ranks, stages_per_rank)
+    total = ranks * (1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank)
+    contents = stage_contents(model, total, layers)
+    stack_name = _layers_name(model, layers)
+    _keep(model, stack_name, {name for stage in stages for name in contents[stage]})
+    if len(stages) == 1:
+        return stages, [model]
+    return stages, [_part(model, stack_name, set(contents[stage])) for stage in stages]
+
+
+def check_schedule(schedule: str, stages_per_rank: int) -> None:
+    """Refuse a schedule lightning_trn does not run, or a stage count it cannot have, with the choices."""
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} is not one lightning_trn runs: choose one of {', '.join(SCHEDULES)} "
+            "(GPipe and 1F1B run one stage per rank, Interleaved1F1B `pipeline_stages_per_rank` stages, "
+            "ZBVZeroBubble two stages per rank in a V)."
+        )
+    if schedule in V_SCHEDULES and stages_per_rank != 2:
+        raise ValueError(f"pipeline_schedule={schedule!r} runs exactly 2 stages per rank (a V).")
+    if schedule not in SINGLE_STAGE_SCHEDULES and stages_per_rank < 2:
+        raise ValueError(f"pipeline_schedule={schedule!r} interleaves stages: pipeline_stages_per_rank must be >= 2.")
+
+
+def build_schedule(
+    schedule: str,
+    parts: Sequence[Module],
+    stages: Sequence[int],
+    num_stages: int,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    microbatches: int,
+    loss_fn: LossFn,
+) -> Any:
+    """`torch.distributed.pipelining`'s stages for `parts` and the schedule over them."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    pipeline_stages = [
+        PipelineStage(part, stage, num_stages, device, group=group) for part, stage in zip(parts, stages, strict=True)
+    ]
+    schedule_class = get_schedule_class(schedule)
+    stages_argument = pipeline_stages[0] if schedule in SINGLE_STAGE_SCHEDULES else pipeline_stages
+    # `loss_fn` takes the mean over the microbatches itself (`Pipeline._scale`)
+    return schedule_class(stages_argument, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class Pipelining:
+    """A strategy's pipeline parallelism (Trainer and Fabric alike): its settings, the pipeline groups it creates
+    once the device mesh exists, and the `Pipeline` it splits a model into.
+
+    Args:
+        size: pipeline stages' ranks (`pipeline_parallel_size`); 1: none.
+        schedule: one of `SCHEDULES`.
+        microbatches: microbatches per batch; None: the number of stages (the fewest that fill the pipeline).
+        stages_per_rank: stages on each rank for the interleaved schedules (2 for ZBVZeroBubble).
+        transport: how stages exchange tensors (`lightning_trn.core.stage_transport.TRANSPORTS`); None: the
+            backend's own send/recv where `point_to_point` says it has them, else broadcasts.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        schedule: str,
+        microbatches: int | None,
+        stages_per_rank: int,
+        transport: str | None,
+        point_to_point: bool = False,
+    ) -> None:
+        from lightning_trn.core.stage_transport import TRANSPORTS
+
+        transport = transport or ("send_recv" if point_to_point else "broadcast")
+        self.size = size
+        self.schedule = schedule
+        self.stages_per_rank = 1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank
+        if size > 1:
+            check_schedule(schedule, self.stages_per_rank)
+            if transport not in TRANSPORTS:
+                raise ValueError(f"stage_transport={transport!r}: choose one of {', '.join(TRANSPORTS)}.")
+            if microbatches is not None and microbatches < 1:
+                raise ValueError(f"pipeline_microbatches={microbatches!r}: give a positive number of microbatches.")
+        self.num_stages = size * self.stages_per_rank
+        self.microbatches = microbatches or self.num_stages
+        self.transport = transport
+        self._mesh: Any = None
+        self._group: dist.ProcessGroup | None = None
+        #: the ranks that hold the same stages as this one (all but the pipeline dimension), None if it alone does
+        self.stage_group: dist.ProcessGroup | None = None
+        self._device: torch.device | None = None
+        self._ran_backward = False
+
+    def setup(self, mesh: Any, device: torch.device, backend: str | None) -> None:
+        """Create the pipeline groups of the mesh (every process all of them, in one order) and keep this rank's."""
+        from lightning_trn.core.stage_transport import pipeline_groups
+
+        if self.size == 1:
+            return
+        ranks = mesh.mesh  # rank of each coordinate; the pipeline dimension first
+        groups = ranks.reshape(self.size, -1).t().tolist()
+        created = pipeline_groups(groups, self.transport, backend)
+        rank = dist.get_rank()
+        self._group = next(group for members, group in zip(groups, created, strict=True) if rank in members)
+        for members in ranks.reshape(self.size, -1).tolist():
+            if len(members) > 1:
+                group = dist.new_group(members, backend=backend)
+                self.stage_group = group if rank in members else self.stage_group
+        self._mesh = mesh
+        self._device = device
+
+    @property
+    def stage_peers(self) -> tuple[dist.ProcessGroup | None, bool]:
+        """Where tensors every holder of a stage has alike are made equal (`broadcast_replicated`'s `group` and
+        `alone`): the group of the ranks holding this rank's stages, and whether this rank holds them alone."""
+        return self.stage_group, self.size > 1 and self.stage_group is None
+
+    @property
+    def norm_group(self) -> Any:
+        """The group over which gradient norms are combined (the stages' ranks), None without stages."""
+        return self._mesh["pipeline_parallel"].get_group() if self._mesh is not None else None
+
+    def take_backward(self) -> bool:
+        """Whether the last `Pipeline.step` ran the backward of the batch (once: the flag is cleared)."""
+        ran, self._ran_backward = self._ran_backward, False
+        return ran
+
+    def _mark_backward(self) -> None:
+        self._ran_backward = True
+
+    def split(
+        self, model: Module, loss_fn: LossFn, layers: str | None, loss_scale: Callable[[], float] = lambda: 1.0
+    ) -> Pipeline:
+        """`model` split for this rank (`split_for_rank`) and the `Pipeline` that runs its stages."""
+        if self._mesh is None:
+            raise RuntimeError(
+                "pipeline_split runs once the processes and the device mesh exist: call it in `configure_model` "
+                "(Trainer) or in the `parallelize_fn` (Fabric)."
+            )
+        mesh, device = self._mesh, self._device
+        assert device is not None and self._group is not None
+        pipeline_rank = mesh["pipeline_parallel"].get_local_rank()
+        stages, parts = split_for_rank(model, self.schedule, pipeline_rank, self.size, self.stages_per_rank, layers)
+        last = stage_rank(self.schedule, self.num_stages - 1, self.size, self.stages_per_rank)
+        group, report_group = self._group, mesh["pipeline_parallel"].get_group()
+
+        def build(parts: list[Module], scaled_loss: LossFn) -> Any:
+            return build_schedule(
+                self.schedule, parts, stages, self.num_stages, device, group, self.microbatches, scaled_loss
+            )
+
+        def report(loss: Tensor | None) -> Tensor:
+            """The last stage's loss on every stage's rank."""
+            value = loss.float() if loss is not None else torch.zeros((), device=device)
+            dist.broadcast(value, group=report_group, group_src=last)
+            return value
+
+        return Pipeline(
+            model,
+            loss_fn,
+            parts,
+            build=build,
+            report=report,
+            loss_scale=loss_scale,
+            on_backward=self._mark_backward,
+            microbatches=self.microbatches,
+        )

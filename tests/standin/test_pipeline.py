@@ -1,0 +1,244 @@
+"""Pipeline parallelism and HSDP on the stand-in: `NeuronModelParallelStrategy(pipeline_parallel_size=...,
+replicate_size=...)`, Trainer and Fabric.
+
+`tests/scripts/pipeline_train.py` trains a 4-block token model (AdamW, active clipping, accumulation 2, a per-step
+schedule, 8 sequences per optimizer step on every layout). Each layout must end where the unsplit model ends under
+Lightning's own `ModelParallelStrategy` on the CPU in one process: every schedule (GPipe, 1F1B, Interleaved1F1B with 2
+stages per rank, ZBVZeroBubble), pipeline x FSDP2 and pipeline x tensor parallel on 4 ranks, HSDP 2 x 2; a pipeline
+checkpoint resumes on another layout. Stage tensors travel as broadcasts in 2-rank groups (the stand-in refuses
+send/recv, as TorchNeuron's source snapshot has none).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_trn.core import pipeline
+from lightning_trn.core.distributed_checkpoint import write_consolidated
+from lightning_trn.core.model_parallel import check_mesh_sizes, mesh_sizes
+from lightning_trn.core.stage_transport import ring_pairs
+from tests.launch import child_env
+
+pytestmark = [pytest.mark.native_only, pytest.mark.slow]
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "pipeline_train.py"
+DOCS = Path(__file__).parents[2] / "docs" / "sharding.md"
+#: 4 AdamW steps of float32, the stages' sums in another order; tensor parallel alone (no stages) differs from the
+#: one-process run by up to 2.7e-5 on this model (Adam scales the summation-order differences of small gradients)
+WEIGHT_TOLERANCE = {"": 2e-5, "tp": 1e-4}
+RUN_TIMEOUT_S = 240
+
+
+def _run(out: Path, *args: str) -> dict:
+    """Run the script (Lightning or Fabric launches its processes); rank 0's record and the gathered weights."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *args],
+        env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"),
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {**json.loads((out / "run.json").read_text()), "weights": torch.load(out / "weights.pt")}
+
+
+def _assert_same_weights(run: dict, reference: dict, tolerance: float = WEIGHT_TOLERANCE[""]) -> None:
+    assert run["weights"].keys() == reference["weights"].keys()
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(run["weights"][name], value, atol=tolerance, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The unsplit model under Lightning's own ModelParallelStrategy on the CPU, one process."""
+    return _run(tmp_path_factory.mktemp("reference"), "--accelerator", "cpu", "--validate")
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """2 stages on 2 ranks, 1F1B, with validation and a checkpoint after optimizer step 3."""
+    out = tmp_path_factory.mktemp("1f1b")
+    return _run(out, "--pp", "2", "--validate", "--save"), out / "step=3.ckpt"
+
+
+def test_1f1b_equals_the_unsplit_run(one_f_one_b: tuple[dict, Path], reference: dict) -> None:
+    """The loss of every batch (reported from the last stage to rank 0), the validation losses (forward-only
+    schedule) and the final weights of both stages."""
+    run, _ = one_f_one_b
+    torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(run["val_losses"], reference["val_losses"], rtol=1e-5, atol=0)
+    assert len(run["val_losses"]) == 4  # two validation runs of 2 batches
+    _assert_same_weights(run, reference)
+
+
+@pytest.mark.parametrize(
+    ("layout", "arguments"),
+    [
+        ("pp2 x fsdp2, GPipe", ["--pp", "2", "--dp", "2", "--schedule", "GPipe"]),
+        ("pp2 x tp2, Interleaved1F1B", ["--pp", "2", "--tp", "2", "--schedule", "Interleaved1F1B"]),
+        ("hsdp 2 x 2", ["--replicate", "2", "--dp", "2"]),
+        ("fabric pp2, ZBVZeroBubble", ["--api", "fabric", "--pp", "2", "--schedule", "ZBVZeroBubble"]),
+    ],
+)
+def test_layout_equals_the_unsplit_run(tmp_path: Path, reference: dict, layout: str, arguments: list[str]) -> None:
+    """Each schedule and each mesh ends with the unsplit run's weights: stages and tensor-parallel groups see the
+    same batch, data-parallel ranks (HSDP's replicas and shards together) their share of it."""
+    run = _run(tmp_path, *arguments)
+    _assert_same_weights(run, reference, WEIGHT_TOLERANCE["tp" if "tp2" in layout else ""])
+    if "fsdp" not in layout and "hsdp" not in layout:  # one data-parallel rank: the batches' losses are the same
+        torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0)
+
+
+def test_pipeline_checkpoint_resumes_on_another_layout(
+    tmp_path: Path, one_f_one_b: tuple[dict, Path], reference: dict
+) -> None:
+    """Saved by 2 stages after step 3 (each rank its stages' parameters, under the unsplit model's names), resumed
+    without stages with FSDP2 on 2 ranks: the run ends where the uninterrupted one does; consolidated, it is one
+    file of the unsplit model that a plain LightningModule loads."""
+    _, checkpoint = one_f_one_b
+    resumed = _run(tmp_path / "resumed", "--dp", "2", "--resume", str(checkpoint))
+    assert len(resumed["losses"]) == (4 - 3) * 2  # the batches after step 3
+    _assert_same_weights(resumed, reference)
+    write_consolidated(checkpoint, tmp_path / "one.ckpt")
+    one = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    assert one["state_dict"].keys() == reference["weights"].keys()
+    # Adam's moments of both stages, by position in the unsplit model's parameter order (as `optimizer.state_dict()`)
+    optimizer, shapes = one["optimizer_states"][0], [value.shape for value in one["state_dict"].values()]
+    assert optimizer["param_groups"][0]["params"] == list(range(len(shapes)))
+    assert [optimizer["state"][index]["exp_avg"].shape for index in range(len(shapes))] == shapes
+
+
+def test_split_gives_the_first_stage_the_embedding_and_the_last_the_head() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(4, 2)
+            self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))
+            self.norm = nn.LayerNorm(2)
+            self.head = nn.Linear(2, 4)
+
+    contents = pipeline.stage_contents(Net(), 3)
+    assert contents == [
+        ["embedding", "layers.0", "layers.1"],
+        ["layers.2", "layers.3"],
+        ["layers.4", "norm", "head"],
+    ]
+    model = Net()
+    stages, parts = pipeline.split_for_rank(model, "Interleaved1F1B", 0, 2, 2, None)
+    assert stages == [0, 2]  # looped: rank 0 holds stages 0 and 2 of 4
+    # the rank's model keeps its layers under their own names; the other children are gone
+    assert [name for name, _ in model.named_parameters()] == [
+        "embedding.weight",
+        *(f"layers.{i}.{p}" for i in (0, 1, 3) for p in ("weight", "bias")),
+    ]
+    assert parts[1].embedding is None and [n for n, _ in parts[1].named_modules()] == ["", "layers", "layers.3"]
+    with pytest.raises(ValueError, match="5 layers in `layers` cannot fill 6 stages"):
+        pipeline.stage_contents(Net(), 6)
+
+
+def test_v_schedules_put_the_first_and_last_stages_on_rank_0() -> None:
+    assert [pipeline.stages_of_rank("ZBVZeroBubble", r, 4, 2) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert pipeline.stage_rank("ZBVZeroBubble", 7, 4, 2) == 0
+    assert pipeline.stage_rank("Interleaved1F1B", 7, 4, 2) == 3
+    # the pairs that exchange tensors: neighbours in a ring, both ways, per pipeline group
+    assert ring_pairs([[0, 2], [1, 3]]) == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert len(ring_pairs([[0, 1, 2, 3]])) == 8
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"pipeline_schedule": "Looped"}, "is not one lightning_trn runs: choose one of GPipe, 1F1B"),
+        ({"pipeline_schedule": "ZBVZeroBubble", "pipeline_stages_per_rank": 3}, "runs exactly 2 stages per rank"),
+        ({"stage_transport": "rdma"}, "choose one of broadcast, send_recv"),
+        ({"pipeline_microbatches": 0}, "give a positive number of microbatches"),
+    ],
+)
+def test_pipeline_settings_are_checked_at_construction(arguments: dict, message: str) -> None:
+    from lightning_trn import NeuronModelParallelStrategy
+
+    with pytest.raises(ValueError, match=message):
+        NeuronModelParallelStrategy(pipeline_parallel_size=2, **arguments)
+
+
+def test_mesh_sizes_name_each_dimension_and_resolve_auto() -> None:
+    assert mesh_sizes(2, 4, "auto", "auto") == {
+        "pipeline_parallel": 1,
+        "replicate": 1,
+        "data_parallel": 2,
+        "tensor_parallel": 4,
+    }
+    assert mesh_sizes(4, 8, "auto", 8, pipeline=4) == {
+        "pipeline_parallel": 4,
+        "replicate": 1,
+        "data_parallel": 1,
+        "tensor_parallel": 8,
+    }
+    strategy = SimpleNamespace(num_nodes=1, num_processes=4)
+    check_mesh_sizes(strategy, 2, "auto", pipeline=2)  # data 2 x tensor 1 x pipeline 2
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3.*needs 6 processes, the run has 4"):
+        check_mesh_sizes(strategy, 2, 1, pipeline=3)
+    with pytest.raises(ValueError, match=r"replicate_size=0\): each mesh size is a positive whole number"):
+        check_mesh_sizes(strategy, "auto", "auto", replicate=0)
+
+
+def test_hsdp_mesh_refuses_a_module_sharded_over_the_data_parallel_dimension_alone() -> None:
+    """With replicas, `fully_shard(mesh=device_mesh["data_parallel"])` (a GPU script's 2-D habit) would never reduce
+    gradients over the replicas: refused at setup, naming the 2-D mesh to use; the HSDP mesh passes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_trn.core.model_parallel import check_replicated_sharding
+    from tests.standin.fake_group import fake_process_group
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("replicate", "data_parallel", "tensor_parallel"))
+        wrong = fully_shard(nn.Linear(4, 4), mesh=mesh["data_parallel"])
+        with pytest.raises(ValueError, match=r"bias, weight are sharded over .*'replicate', 'data_parallel'"):
+            check_replicated_sharding(wrong, mesh)
+        check_replicated_sharding(fully_shard(nn.Linear(4, 4), mesh=mesh["replicate", "data_parallel"]), mesh)
+
+
+def _docs_example() -> str:
+    text = DOCS.read_text(encoding="utf-8")
+    section = text[text.index("## Pipeline parallelism and HSDP") :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "docs/sharding.md lost its pipeline example"
+    return match.group(1)
+
+
+def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
+    """docs/sharding.md's LightningModule: 2 stages x FSDP2 on 4 ranks, as a script (Lightning launches them)."""
+    script = tmp_path / "example.py"
+    script.write_text(_docs_example())
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 2 steps on 4 ranks" in result.stdout
+
+
+def test_the_estimator_refuses_pipeline_stages_with_what_to_do_instead() -> None:
+    from lightning_trn import NeuronModelParallelStrategy
+    from lightning_trn.estimate.patches import EstimateError
+    from lightning_trn.estimate.simulation import estimate
+
+    strategy = NeuronModelParallelStrategy(pipeline_parallel_size=2)
+    with pytest.raises(EstimateError, match="does not simulate pipeline stages yet"):
+        estimate(nn.Linear, None, strategy=strategy, devices=2)
