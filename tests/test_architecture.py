@@ -244,21 +244,26 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(","))
 
 
+def _step_names(steps: tuple) -> tuple[str, ...]:
+    """The documented names of steps listed by reference (`_materialize` is documented as `materialize`)."""
+    return tuple(step.__name__.removeprefix("_") for step in steps)
+
+
 @pytest.mark.parametrize("strategy", TRAINER, ids=lambda cls: cls.__name__)
 def test_trainer_setup_steps_are_the_documented_ones(strategy: type) -> None:
     documented, _ = _doc_sections()
-    assert _names(documented[strategy.__name__]) == strategy.setup_steps
+    assert _names(documented[strategy.__name__]) == _step_names(strategy.setup_steps)
     for attribute in ("configure_model_steps",):
         if hasattr(strategy, attribute):
-            assert _names(documented[f"{strategy.__name__} {attribute}"]) == getattr(strategy, attribute)
+            assert _names(documented[f"{strategy.__name__} {attribute}"]) == _step_names(getattr(strategy, attribute))
 
 
 @pytest.mark.parametrize("strategy", FABRIC, ids=lambda cls: cls.__name__)
 def test_fabric_setup_steps_are_the_documented_ones(strategy: type) -> None:
     _, documented = _doc_sections()
     parts = dict(part.strip().split(": ", 1) for part in documented[strategy.__name__].split(";"))
-    assert _names(parts["module"]) == strategy.setup_module_steps
-    assert _names(parts["optimizer"]) == strategy.setup_optimizer_steps
+    assert _names(parts["module"]) == _step_names(strategy.setup_module_steps)
+    assert _names(parts["optimizer"]) == _step_names(strategy.setup_optimizer_steps)
 
 
 @pytest.mark.parametrize("strategy", ALL, ids=lambda cls: f"{cls.__module__}.{cls.__name__}")
@@ -270,4 +275,29 @@ def test_every_step_is_a_method(strategy: type) -> None:
         *getattr(strategy, "setup_optimizer_steps", ()),
     ]
     assert steps
-    assert [step for step in steps if not callable(getattr(strategy, f"_{step}", None))] == []
+    # each step is a function of a class of the strategy (an editor follows the reference), run by its name
+    assert [step for step in steps if getattr(strategy, step.__name__, None) is None] == []
+    defined = [function for cls in strategy.__mro__ for function in vars(cls).values() if callable(function)]
+    assert [step.__name__ for step in steps if not any(step is function for function in defined)] == []
+
+
+def _lifecycle_rows() -> list[list[str]]:
+    text = DOC.read_text()
+    section = text[text.index("## The lifecycle of a run") : text.index("## Strategies")]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip().strip("`") for cell in row] for row in rows if row[0].strip() != "phase"]
+
+
+def test_every_phase_of_the_lifecycle_table_names_a_method_that_exists() -> None:
+    """docs/architecture.md's lifecycle tables: each phase's method of ours is where the table says it is."""
+    rows = _lifecycle_rows()
+    assert len(rows) >= 20  # the Trainer's and Fabric's tables
+    missing = []
+    for phase, _caller, method, file in rows:
+        module = importlib.import_module("lightning_trn." + file.removesuffix(".py").replace("/", "."))
+        owner: object = module
+        for part in method.split("."):
+            owner = getattr(owner, part, None)
+        if owner is None:
+            missing.append(f"{phase}: {method} in {file}")
+    assert missing == []

@@ -1,7 +1,8 @@
 """`NeuronFabricStrategyBase`: the base of every Fabric Neuron strategy, over Lightning Fabric's strategy class: what
 it adds to the shared device logic (`lightning_trn.core.strategy`): Fabric's hooks for moving modules and optimizers,
 the graph cut, checkpoints. `setup_module` and `setup_optimizer` run the strategy's `setup_module_steps` and
-`setup_optimizer_steps`, each a method `_<name>(module or optimizer)` returning it (docs/architecture.md lists them).
+`setup_optimizer_steps`, each a method `_<name>(module or optimizer)` returning it, listed by reference at the end of
+the class (docs/architecture.md lists them).
 
 Where the graph is cut (one compiled graph per step, nothing read from the device between steps): after each
 `optimizer.step()` (the step's forward, backward, gradient reduction and update become one graph), and when the next
@@ -44,13 +45,13 @@ else:
     _LightningStrategy = object
 
 
+#: a step of `setup_module` / `setup_optimizer`: a strategy method returning the module / optimizer
+ModuleStep = Callable[[Any, Module], Module]
+OptimizerStep = Callable[[Any, Optimizer], Optimizer]
+
+
 class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
     """Over Fabric's strategy classes; data-parallel strategies override `reduce_gradients`."""
-
-    #: what `setup_module` does, in order: each name is a method `_<name>(module) -> module`
-    setup_module_steps: tuple[str, ...] = ("seed_device_rng", "checkpoint_activations", "lightning_setup_module")
-    #: what `setup_optimizer` does, in order: each name is a method `_<name>(optimizer) -> optimizer`
-    setup_optimizer_steps: tuple[str, ...] = ("point_to_device_parameters", "lightning_setup_optimizer")
 
     _precision: Precision | None
     #: Lightning's `save_checkpoint` gets the modules and optimizers themselves (sharded strategies collect their
@@ -98,15 +99,15 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         """The strategy's `setup_module_steps`, in order."""
-        for name in self.setup_module_steps:
-            module = getattr(self, f"_{name}")(module)
+        for step in self.setup_module_steps:
+            module = getattr(self, step.__name__)(module)
         return module
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The strategy's `setup_optimizer_steps`, in order."""
-        for name in self.setup_optimizer_steps:
-            optimizer = getattr(self, f"_{name}")(optimizer)
+        for step in self.setup_optimizer_steps:
+            optimizer = getattr(self, step.__name__)(optimizer)
         return optimizer
 
     def _seed_device_rng(self, module: Module) -> Module:
@@ -236,3 +237,9 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
             if entry is not None:
                 self._batches_taken = int(entry.get("batches", 0))
         return remainder
+
+    #: what `setup_module` does, in order: each step a method `(module) -> module`, run by its name (a subclass's
+    #: override of a step runs)
+    setup_module_steps: tuple[ModuleStep, ...] = (_seed_device_rng, _checkpoint_activations, _lightning_setup_module)
+    #: what `setup_optimizer` does, in order: each step a method `(optimizer) -> optimizer`, run by its name
+    setup_optimizer_steps: tuple[OptimizerStep, ...] = (_point_to_device_parameters, _lightning_setup_optimizer)

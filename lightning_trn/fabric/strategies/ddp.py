@@ -46,9 +46,6 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyBase, ParallelStra
         **kwargs: the arguments of Fabric's `ParallelStrategy`.
     """
 
-    setup_module_steps = (*NeuronFabricStrategyBase.setup_module_steps, "broadcast_module_states", "sync_torchmetrics")
-    setup_optimizer_steps = (*NeuronFabricStrategyBase.setup_optimizer_steps, "shard_optimizer_state")
-
     @override
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -102,3 +99,10 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyBase, ParallelStra
             if sharding is not None:
                 sharding.refresh()
         return remainder
+
+    setup_module_steps = (
+        *NeuronFabricStrategyBase.setup_module_steps,
+        _broadcast_module_states,
+        NeuronFabricStrategyBase._sync_torchmetrics,
+    )
+    setup_optimizer_steps = (*NeuronFabricStrategyBase.setup_optimizer_steps, _shard_optimizer_state)

@@ -67,15 +67,6 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
     strategy_name = "neuron_model_parallel"
     strategy_description = "FSDP2 and tensor parallel over NeuronCores, native backend (lightning_trn)"
     saves_stateful_objects = True
-    #: Lightning's `setup_module` runs `parallelize_fn` and materializes each rank's shards; what is left on the host
-    #: (torchmetrics' states) moves after it
-    setup_module_steps = (
-        "seed_device_rng",
-        "checkpoint_activations",
-        "lightning_setup_module",
-        "move_remaining_to_device",
-        "sync_torchmetrics",
-    )
 
     @override
     def __init__(
@@ -232,3 +223,13 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
                 "`optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
             )
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    #: Lightning's `setup_module` runs `parallelize_fn` and materializes each rank's shards; what is left on the host
+    #: (torchmetrics' states) moves after it
+    setup_module_steps = (
+        NeuronFabricStrategyBase._seed_device_rng,
+        NeuronFabricStrategyBase._checkpoint_activations,
+        NeuronFabricStrategyBase._lightning_setup_module,
+        _move_remaining_to_device,
+        NeuronFabricStrategyBase._sync_torchmetrics,
+    )

@@ -1,7 +1,8 @@
 """`NeuronStrategyBase`: the base of every Trainer Neuron strategy, over Lightning's strategy class.
 
 `setup` runs the strategy's `setup_steps` in order, each a method `_<name>(trainer)` defined once, here or in the
-strategy that adds it; docs/architecture.md lists each strategy's steps.
+strategy that adds it, listed by reference at the end of the class (an editor follows them); docs/architecture.md
+lists each strategy's steps.
 """
 
 from __future__ import annotations
@@ -86,23 +87,14 @@ def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
     return trainer.training and not progress.is_last_batch and processed > 0
 
 
+#: a step of `setup`: a strategy method taking the Trainer
+Step = Callable[[Any, "pl.Trainer"], None]
+
+
 class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
     """Over a Lightning strategy class: device placement, prefetching, one graph cut per optimizer step, portable
     checkpoints. Strategies override `reduce_gradients` to all-reduce between backward and the optimizer update."""
 
-    #: what `setup` does, in order: each name is a method `_<name>(trainer)`
-    setup_steps: tuple[str, ...] = (
-        "hold_lightning_hooks",
-        "seed_device_rng",
-        "checkpoint_activations",
-        "lightning_setup",
-        "limit_precompile",
-        "swap_progress_bar",
-        "evaluate_under_no_grad",
-        "install_run_shortcuts",
-        "start_profiler_trace",
-        "detect_batch_transfer_hooks",
-    )
     _precision_plugin: Precision | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -316,9 +308,10 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
         """The strategy's `setup_steps`, in order."""
         self._run_steps(self.setup_steps, trainer)
 
-    def _run_steps(self, steps: tuple[str, ...], trainer: pl.Trainer) -> None:
-        for name in steps:
-            getattr(self, f"_{name}")(trainer)
+    def _run_steps(self, steps: tuple[Step, ...], trainer: pl.Trainer) -> None:
+        """Each step as this strategy's method of the step's name: a subclass's override of a step runs."""
+        for step in steps:
+            getattr(self, step.__name__)(trainer)
 
     def _probe_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
         """Before the first step of `fit`: refuse a checkpoint callback's directory that not every rank shares when
@@ -451,3 +444,17 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
             )
         defer = bar is None or isinstance(bar, HostSyncFreeMetricsMixin)
         self.hook_contract = replace(self.hook_contract, defer_progress_bar_metrics=defer)
+
+    #: what `setup` does, in order (`_run_steps`)
+    setup_steps: tuple[Step, ...] = (
+        _hold_lightning_hooks,
+        _seed_device_rng,
+        _checkpoint_activations,
+        _lightning_setup,
+        _limit_precompile,
+        _swap_progress_bar,
+        _evaluate_under_no_grad,
+        _install_run_shortcuts,
+        _start_profiler_trace,
+        _detect_batch_transfer_hooks,
+    )

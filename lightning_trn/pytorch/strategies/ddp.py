@@ -37,15 +37,6 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyBase, ParallelStrategy):
         activation_checkpointing_policy: checkpoint these submodules (e.g. `{Block}`), as Lightning's FSDPStrategy does.
     """
 
-    setup_steps = (
-        "probe_checkpoint_dirs",
-        *NeuronStrategyBase.setup_steps,
-        "broadcast_module_states",
-        "shard_optimizer_state",
-        "sync_torchmetrics",
-        "agree_on_sigterm",
-    )
-
     @override
     def __init__(
         self,
@@ -87,3 +78,13 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyBase, ParallelStrategy):
         """With `zero1=True`, shard each optimizer's state over the ranks (after the weights were broadcast)."""
         for optimizer in self.optimizers:
             self._shard_optimizer(optimizer)
+
+    #: what `setup` does, in order (`_run_steps`)
+    setup_steps = (
+        NeuronStrategyBase._probe_checkpoint_dirs,
+        *NeuronStrategyBase.setup_steps,
+        _broadcast_module_states,
+        _shard_optimizer_state,
+        NeuronStrategyBase._sync_torchmetrics,
+        NeuronStrategyBase._agree_on_sigterm,
+    )

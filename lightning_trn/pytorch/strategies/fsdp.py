@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_trn.core.fsdp import FSDPSharding
 from lightning_trn.core.model_parallel import HostValues, host_values_to_meta, materialize
 from lightning_trn.core.strategy import CheckpointingPolicy
+from lightning_trn.pytorch.strategies.base import Step
 from lightning_trn.pytorch.strategies.model_parallel import NeuronModelParallelStrategy
 
 
@@ -38,8 +39,6 @@ class NeuronFSDPStrategy(NeuronModelParallelStrategy):
 
     strategy_name = "neuron_fsdp"
     strategy_description = "FSDP (served by FSDP2) over NeuronCores, native backend (lightning_trn)"
-    #: what runs as the LightningModule's `configure_model`, where Lightning calls it, once the mesh exists
-    configure_model_steps: tuple[str, ...] = ("user_configure_model", "checkpoint_activations", "apply_sharding")
 
     @override
     def __init__(
@@ -114,3 +113,10 @@ class NeuronFSDPStrategy(NeuronModelParallelStrategy):
         if module is not None:
             module.__dict__.pop("configure_model", None)
         super().teardown()
+
+    #: what runs as the LightningModule's `configure_model`, where Lightning calls it, once the mesh exists
+    configure_model_steps: tuple[Step, ...] = (
+        _user_configure_model,
+        NeuronModelParallelStrategy._checkpoint_activations,
+        _apply_sharding,
+    )

@@ -39,7 +39,9 @@ from lightning_trn.core.pipeline import LossFn, Pipeline, Pipelining
 from lightning_trn.core.process_group import ProcessGroup
 from lightning_trn.pytorch.strategies.base import NeuronStrategyBase
 
-_BASE_STEPS = tuple(step for step in NeuronStrategyBase.setup_steps if step != "checkpoint_activations")
+_BASE_STEPS = tuple(
+    step for step in NeuronStrategyBase.setup_steps if step is not NeuronStrategyBase._checkpoint_activations
+)
 
 
 class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
@@ -73,18 +75,6 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
 
     strategy_name = "neuron_model_parallel"
     strategy_description = "FSDP2 and tensor parallel over NeuronCores, native backend (lightning_trn)"
-    #: the model is materialized first, once the checkpoint directories are known to be shared; activation
-    #: checkpointing belongs in the user's `configure_model`
-    setup_steps = (
-        "probe_checkpoint_dirs",
-        "materialize",
-        *_BASE_STEPS,
-        "broadcast_replicated",
-        "check_replicated_sharding",
-        "refuse_local_dropout",
-        "sync_torchmetrics",
-        "agree_on_sigterm",
-    )
 
     @override
     def __init__(
@@ -206,3 +196,16 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
     def _refuse_local_dropout(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         refuse_local_dropout(self.model, self)
+
+    #: the model is materialized first, once the checkpoint directories are known to be shared; activation
+    #: checkpointing belongs in the user's `configure_model`
+    setup_steps = (
+        NeuronStrategyBase._probe_checkpoint_dirs,
+        _materialize,
+        *_BASE_STEPS,
+        _broadcast_replicated,
+        _check_replicated_sharding,
+        _refuse_local_dropout,
+        NeuronStrategyBase._sync_torchmetrics,
+        NeuronStrategyBase._agree_on_sigterm,
+    )
