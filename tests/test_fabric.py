@@ -219,3 +219,24 @@ def test_clip_gradients_clips_as_on_the_cpu():
     for (name, clipped), reference in zip(model.named_parameters(), cpu.parameters(), strict=True):
         assert clipped.grad.device.type == get_runtime().device_type
         torch.testing.assert_close(clipped.grad.cpu(), reference.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_one_process_strategies_answer_collectives_as_their_one_rank() -> None:
+    """A one-process strategy holds `OneProcess` (the null process group): reductions, gathers and broadcasts give
+    the one rank's value, a barrier returns, and there are no device collectives to reach, as Lightning's
+    single-device strategies behave (Trainer and Fabric)."""
+    from lightning_trn import SingleDeviceNeuronStrategy
+    from lightning_trn.fabric import SingleDeviceNeuronStrategy as FabricSingle
+
+    value = torch.tensor([1.0, 2.0])
+    for strategy in (SingleDeviceNeuronStrategy(), FabricSingle()):
+        assert strategy.all_reduce(value) is value
+        assert strategy.all_gather(value) is value
+        assert strategy.broadcast({"step": 3}) == {"step": 3}
+        assert strategy.reduce_boolean_decision(False) is False
+        strategy.barrier()
+        assert not strategy.is_distributed and strategy.process_group_backend is None
+        assert strategy._gather_objects("only") == ["only"]
+        with pytest.raises(RuntimeError, match="one-process strategy has no collectives"):
+            strategy.collectives
+    assert SingleDeviceNeuronStrategy().reduce(value, reduce_op="sum") is value

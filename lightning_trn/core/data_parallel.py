@@ -102,7 +102,6 @@ class DataParallelCore(CoreMixinBase):
     def _shard_optimizer(self, optimizer: Optimizer) -> None:
         """With `zero1=True`: shard `optimizer`'s state over the ranks (once; after the weights were broadcast)."""
         if self.zero1 and sharding_of(optimizer) is None:
-            assert self._process_group is not None  # a data-parallel strategy always holds one
             host_collectives = self._process_group.host_collectives
             assert host_collectives is not None
             precision = self._neuron_precision()

@@ -1,5 +1,6 @@
 """`ProcessGroup`: one process per NeuronCore joined in process groups, held by every multi-process Neuron strategy
-(data-parallel and model-parallel, the Trainer's and Fabric's).
+(data-parallel and model-parallel, the Trainer's and Fabric's); `OneProcess`, the group a one-process strategy holds
+(every collective its one rank's answer), so the strategies' code needs no "is there a group" branches.
 
 The default group is the runtime's (`neuron` natively, `xla` on Neuron with torch_xla, gloo on XLA:CPU); host-side
 objects, barriers, flags and host tensors go over a gloo group, so they never touch the device.
@@ -21,6 +22,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
+from typing_extensions import override
 
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.collectives import Collectives, check_world_size, reduce_op_name
@@ -81,6 +83,11 @@ class ProcessGroup:
     @property
     def joined(self) -> bool:
         return self._collectives is not None
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether the strategy runs several processes: it claims a device per process and joins the groups."""
+        return True
 
     def join(self, cluster_environment: Any, world_size: int, sizes: str) -> None:
         """Join the default process group (the runtime's backend) and make the host group beside it (once).
@@ -178,6 +185,70 @@ class ProcessGroup:
         objects = [obj]
         dist.broadcast_object_list(objects, src, group=self.host_group)
         return objects[0]
+
+    def explain_failure(self, exception: BaseException, global_rank: int, world_size: int) -> None:
+        """Say what a failed collective usually means (`explain_failure`)."""
+        explain_failure(exception, global_rank, world_size)
+
+
+class OneProcess(ProcessGroup):
+    """The process group of a one-process strategy: nothing to join, and every collective gives this one rank's
+    answer, as Lightning's single-device strategies do (a reduction or broadcast returns its input, a gather the input
+    alone, a barrier returns at once)."""
+
+    def __init__(self) -> None:
+        super().__init__(backend=None)
+
+    @property
+    @override
+    def collectives(self) -> Collectives:
+        raise RuntimeError("lightning_trn: a one-process strategy has no collectives.")
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return False
+
+    @override
+    def join(self, cluster_environment: Any, world_size: int, sizes: str) -> None:
+        """Nothing to join."""
+
+    @override
+    def route_metric_syncs(self, model: Module | None) -> None:
+        """torchmetrics' own (no) sync serves one process."""
+
+    @override
+    def all_reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, world_size: int, all: bool = True) -> bool:
+        return decision
+
+    @override
+    def gather_objects(self, obj: Any, world_size: int) -> list[Any]:
+        return [obj]
+
+    @override
+    def barrier(self) -> None:
+        """Nothing to wait for."""
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def explain_failure(self, exception: BaseException, global_rank: int, world_size: int) -> None:
+        """A failure in one process is not another rank's."""
 
 
 def explain_failure(exception: BaseException, global_rank: int, world_size: int) -> None:

@@ -25,7 +25,7 @@ from lightning_trn.core import s3_checkpoint
 from lightning_trn.core.async_save import AsyncCheckpointer
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
-from lightning_trn.core.process_group import ProcessGroup, explain_failure
+from lightning_trn.core.process_group import OneProcess, ProcessGroup
 from lightning_trn.core.random_state import (
     RANDOM_STATE_VERSION,
     base_device_seed,
@@ -99,14 +99,15 @@ else:
 
 class NeuronStrategyCore(_LightningStrategy):
     """The base of the Trainer's and Fabric's Neuron strategy bases (`NeuronStrategyBase`, `NeuronFabricStrategyBase`),
-    before Lightning's strategy class. A multi-process strategy holds a `ProcessGroup` (`_process_group`): it serves
-    Lightning's parallel API (reductions, barriers, broadcasts, world ranks); a one-process strategy holds none and
-    keeps its Lightning class's own members.
+    before Lightning's strategy class. A strategy holds a `ProcessGroup` (`_process_group`), which serves Lightning's
+    parallel API (reductions, barriers, broadcasts, world ranks): a multi-process strategy its process groups, a
+    one-process strategy `OneProcess`, whose collectives give the one rank's answer as Lightning's single-device
+    strategies do.
 
     Args:
         activation_checkpointing_policy: checkpoint these submodules (e.g. `{Block}`), as Lightning's FSDPStrategy's
             argument of that name does (docs/memory.md).
-        process_group: the process groups of a multi-process strategy (None: one process).
+        process_group: the process groups of a multi-process strategy (None: one process, `OneProcess`).
     """
 
     _checkpoint_io: CheckpointIO | None
@@ -123,7 +124,7 @@ class NeuronStrategyCore(_LightningStrategy):
     ) -> None:
         super().__init__(*args, **kwargs)
         self._activation_checkpointing_policy = activation_checkpointing_policy
-        self._process_group = process_group
+        self._process_group = process_group or OneProcess()
         self._num_nodes = 1
         #: the latest batches this strategy's prefetchers handed out (already on the device)
         self._deliveries: deque = deque(maxlen=_RECENT_DELIVERIES)
@@ -176,7 +177,7 @@ class NeuronStrategyCore(_LightningStrategy):
         refuses a `neuron` process group once a device tensor exists (the accelerator's setup runs a probe on it).
         A checkpoint IO the strategy cannot serve is refused before that, so a refused run leaves no process group."""
         self._check_async_save()
-        if self._process_group is not None:
+        if self._process_group.is_distributed:
             self._claim_device()
             self._setup_distributed()
         self._check_accelerator()
@@ -190,14 +191,13 @@ class NeuronStrategyCore(_LightningStrategy):
         if saver is not None:
             saver.wait()
         super().teardown()
-        if self._process_group is not None:
-            self._process_group.env.restore()
+        self._process_group.env.restore()
 
     @property
     def is_distributed(self) -> bool:
         """Read by Lightning's connector for strategies it does not know: enables the DistributedSampler and
         `self.log(..., sync_dist=True)` reduction."""
-        return self._process_group is not None
+        return self._process_group.is_distributed
 
     @property
     @override
@@ -212,7 +212,7 @@ class NeuronStrategyCore(_LightningStrategy):
     @override
     def num_processes(self) -> int:
         """Processes (NeuronCores) per node."""
-        if self._process_group is None:
+        if not self._process_group.is_distributed:
             return 1
         devices = self.parallel_devices
         return len(devices) if devices is not None else 0
@@ -220,19 +220,17 @@ class NeuronStrategyCore(_LightningStrategy):
     @property
     @override
     def process_group_backend(self) -> str | None:
-        return None if self._process_group is None else self._process_group.backend
+        return self._process_group.backend
 
     @property
     def collectives(self) -> Collectives:
-        """The cross-process collectives, available once the process group is set up."""
-        if self._process_group is None:
-            raise RuntimeError(f"{type(self).__name__} runs one process: it has no collectives.")
+        """The cross-process collectives, available once the process group is set up (none in one process)."""
         return self._process_group.collectives
 
     @override
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size (as Lightning's DDP does)."""
-        if self._process_group is None:
+        if not self._process_group.is_distributed:
             return
         cluster = self.cluster_environment
         if cluster is not None:
@@ -248,7 +246,7 @@ class NeuronStrategyCore(_LightningStrategy):
 
     def _claim_device(self) -> None:
         """Claim this process's NeuronCore (the runtime's environment variables) before the device is first touched."""
-        assert self._process_group is not None and self.cluster_environment is not None
+        assert self.cluster_environment is not None
         self.set_world_ranks()
         self.runtime.configure_process(
             global_rank=self.global_rank,
@@ -262,7 +260,6 @@ class NeuronStrategyCore(_LightningStrategy):
     @override
     def _setup_distributed(self) -> None:
         """Join the process group (once; Lightning's `ModelParallelStrategy.setup_environment` calls it again)."""
-        assert self._process_group is not None
         sizes = f"num_nodes={self.num_nodes} x devices={self.num_processes}"
         self._process_group.join(self.cluster_environment, self.world_size, sizes)
 
@@ -275,45 +272,33 @@ class NeuronStrategyCore(_LightningStrategy):
     ) -> Tensor | Any:
         """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min (a host tensor over the host group);
         non-tensors are returned unchanged."""
-        if self._process_group is None:
-            return super().all_reduce(tensor, group, reduce_op)
         return self._process_group.all_reduce(tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Every rank's `tensor`, stacked along a new first dimension (gradients do not flow back through it)."""
-        if self._process_group is None:
-            return super().all_gather(tensor, group, sync_grads)
         return self._process_group.all_gather(tensor, group, sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Decided on the host group: no device tensor, so no device round trip (early stopping, checkpointing)."""
-        if self._process_group is None:
-            return super().reduce_boolean_decision(decision, all)
         return self._process_group.reduce_boolean_decision(decision, self.world_size, all)
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if self._process_group is None:
-            return super().barrier(name)
         self._process_group.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self._process_group is None:
-            return super().broadcast(obj, src)
         return self._process_group.broadcast(obj, src)
 
     def _explain_failure(self, exception: BaseException) -> None:
         """Say what a failed collective usually means (multi-process strategies)."""
-        if self._process_group is not None:
-            explain_failure(exception, self.global_rank, self.world_size)
+        self._process_group.explain_failure(exception, self.global_rank, self.world_size)
 
     def _route_metric_syncs(self, model: Module | None) -> None:
         """Give the module's torchmetrics metrics the collectives' gather where their default cannot work."""
-        if self._process_group is not None:
-            self._process_group.route_metric_syncs(model)
+        self._process_group.route_metric_syncs(model)
 
     def _apply_activation_checkpointing(self, module: Module) -> None:
         """Wrap the submodules `activation_checkpointing_policy` selects in torch's `checkpoint_wrapper`, with the
@@ -459,8 +444,6 @@ class NeuronStrategyCore(_LightningStrategy):
 
     def _gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (multi-process strategies gather over the host group)."""
-        if self._process_group is None:
-            return [obj]
         return self._process_group.gather_objects(obj, self.world_size)
 
     def _random_state_to_save(

@@ -157,11 +157,8 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
         group: Any | None = None,
         reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor | Any:
-        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min (multi-process strategies; one process:
-        Lightning's); non-tensors are returned unchanged."""
-        if self._process_group is None:
-            # the concrete Lightning class after this one in the MRO implements it
-            return super().reduce(tensor, group, reduce_op)  # type: ignore[safe-super]  # see above
+        """Reduce `tensor` over all ranks with sum, mean ("avg"), max or min (one process: `tensor` itself);
+        non-tensors are returned unchanged."""
         return self.all_reduce(tensor, group, reduce_op)
 
     @override
@@ -367,7 +364,6 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
 
     def _agree_on_sigterm(self, trainer: pl.Trainer) -> None:
         """Agree on SIGTERM over the host group (`lightning_trn.pytorch.strategies.host_signals`)."""
-        assert self._process_group is not None
         install_host_sigterm_sync(trainer, self._process_group.host_group)
 
     @override
