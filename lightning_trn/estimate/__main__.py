@@ -1,6 +1,6 @@
-"""`python -m lightning_trn.estimate <recipe> [key=value ...] [--platform=trn1|trn2|trn3] [--plan]`: will this
-recipe's job fit? Loads the recipe's config as `python -m lightning_trn.recipes.<recipe>` does (the same `preset=` and
-overrides), simulates one training step of rank 0 at the job's world size (`lightning_trn.estimate.estimate`),
+"""`python -m lightning_trn.estimate <recipe> [key=value ...] [--platform=trn1|trn2|trn3] [--plan [options]]`: will
+this recipe's job fit? Loads the recipe's config as `python -m lightning_trn.recipes.<recipe>` does (the same `preset=`
+and overrides), simulates one training step of rank 0 at the job's world size (`lightning_trn.estimate.estimate`),
 prints the memory and collectives tables, and exits 0 if the peak fits a core, 1 if not.
 
 It runs the same with or without `LIGHTNING_TRN_STANDIN`: without Trainium on the CPU stand-in (loaded here when
@@ -10,7 +10,10 @@ stack's torch, Lightning refusing the configuration, a module the simulation can
 
 `--plan` (the `llm` recipe under `trainer.strategy=model_parallel`): every tensor-parallel size that divides the
 node's devices and the model's heads, with and without activation checkpointing, at micro-batches 1, 2, 4, ...
-(`data.batch_size`): a table of the largest micro-batch that fits per layout; exit 0 if any fits.
+(`data.batch_size`): a table of the largest micro-batch that fits per layout; exit 0 if any fits. Each try is a
+whole simulation (minutes at a preset's size), so three options narrow the search, each a comma-separated list:
+`--tensor-parallel=4,8` (of those sizes), `--checkpointing=false` and `--micro-batches=2,4` (tried smallest first,
+as the default 1, 2, 4, ... 64; the table's largest is then the largest of these that fits).
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any, cast
+
+#: `--plan`'s options that narrow its search, each a comma-separated list
+PLAN_OPTIONS = ("--tensor-parallel=", "--checkpointing=", "--micro-batches=")
+#: the largest micro-batch `--micro-batches=` accepts
+MAX_MICRO_BATCH = 1024
 
 
 def recipe_batch(recipe: Any, cfg: Any) -> Any:
@@ -42,7 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     platform = next((arg.split("=", 1)[1] for arg in args if arg.startswith("--platform=")), None)
     planning = "--plan" in args
-    name, overrides = args[0], [arg for arg in args[1:] if not arg.startswith("--platform=") and arg != "--plan"]
+    options = {arg.split("=", 1)[0]: arg.split("=", 1)[1] for arg in args[1:] if arg.startswith(PLAN_OPTIONS)}
+    if options and not planning:
+        raise SystemExit(f"{', '.join(options)}: options of --plan.")
+    name = args[0]
+    overrides = [arg for arg in args[1:] if not arg.startswith(("--platform=", *PLAN_OPTIONS)) and arg != "--plan"]
 
     import lightning.pytorch as pl
     from omegaconf import OmegaConf
@@ -75,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return recipe.build_model(cfg)
 
     if planning:
-        return _plan(recipe, overrides, cfg, platform)
+        return _plan(recipe, overrides, cfg, platform, options)
     try:
         result = estimate(module_factory, recipe_batch(recipe, cfg), platform=platform, caller=RECIPE, **trainer_args)
     except EstimateError as err:
@@ -85,13 +97,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if result.fits else 1
 
 
-def _plan(recipe: Any, overrides: list[str], cfg: Any, platform: str | None) -> int:
-    """`--plan`: the recipe's job re-laid out (`lightning_trn.estimate.plan`), printed as a table."""
+def _option(options: dict[str, str], name: str, default: Sequence[Any], allowed: Sequence[Any]) -> list[Any]:
+    """One of `PLAN_OPTIONS` as a list of values from `allowed` (`default` when it is not given)."""
+    if name not in options:
+        return list(default)
+    by_text = {str(value).lower(): value for value in allowed}
+    values = options[name].split(",")
+    if any(value not in by_text for value in values):
+        expected = ", ".join(by_text) if len(by_text) <= 8 else f"integers from 1 to {len(by_text)}"
+        raise SystemExit(f"{name}={options[name]}: expected a comma-separated list of {expected}.")
+    return [by_text[value] for value in values]
+
+
+def _plan(recipe: Any, overrides: list[str], cfg: Any, platform: str | None, options: dict[str, str]) -> int:
+    """`--plan`: the recipe's job re-laid out (`lightning_trn.estimate.plan`), printed as a table; `options` (of
+    `PLAN_OPTIONS`) narrow the layouts and micro-batches tried."""
     import lightning.pytorch as pl
     from omegaconf import OmegaConf
 
     from lightning_trn.estimate import RECIPE, EstimateError
-    from lightning_trn.estimate.plan import format_plan, plan
+    from lightning_trn.estimate.plan import MICRO_BATCHES, format_plan, plan
     from lightning_trn.recipes.cli import load_config
 
     if recipe.name != "llm" or cfg.trainer.get("strategy") != "model_parallel":
@@ -99,7 +124,10 @@ def _plan(recipe: Any, overrides: list[str], cfg: Any, platform: str | None) -> 
         return 2
     # tensor parallelism splits the node's devices and the key/value heads (num_heads is a multiple of them)
     devices, heads = int(cfg.trainer.devices), int(cfg.model.num_kv_heads)
-    sizes = [size for size in (1, 2, 4, 8, 16, 32, 64) if devices % size == 0 and heads % size == 0]
+    divisors = [size for size in (1, 2, 4, 8, 16, 32, 64) if devices % size == 0 and heads % size == 0]
+    sizes = _option(options, "--tensor-parallel", divisors, divisors)
+    checkpointing = _option(options, "--checkpointing", (False, True), (False, True))
+    micro_batches = _option(options, "--micro-batches", MICRO_BATCHES, range(1, MAX_MICRO_BATCH + 1))
 
     def job(size: int, checkpointing: bool, micro_batch: int) -> tuple[Any, Any, dict[str, Any]]:
         layout = [
@@ -118,7 +146,7 @@ def _plan(recipe: Any, overrides: list[str], cfg: Any, platform: str | None) -> 
         return module_factory, recipe_batch(recipe, each), trainer_args
 
     try:
-        layouts = plan(job, sizes, platform=platform, caller=RECIPE)
+        layouts = plan(job, sizes, checkpointing, micro_batches, platform=platform, caller=RECIPE)
     except EstimateError as err:
         print(err, file=sys.stderr)
         return 2

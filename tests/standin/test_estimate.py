@@ -131,26 +131,48 @@ def test_cli_exits_1_with_advice_when_it_does_not_fit(capsys: pytest.CaptureFixt
     assert lines[-2].startswith("does not fit:") and "activation checkpointing" in lines[-2]
 
 
-def test_cli_plan_lists_the_largest_micro_batch_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    """`--plan` on a Trn1 core: each tensor-parallel size that divides the devices and key/value heads (1, 2), with
-    and without checkpointing, at micro-batches 1, 2, 4, ...: the logits (micro-batch x 2048 x 262144, fp32) stop
-    every layout below 4."""
-    overrides = [
-        "trainer.devices=2",
-        "trainer.strategy=model_parallel",
-        "data.vocab_size=262144",
-        "data.seq_len=2048",
-        "model.hidden_size=64",
-        "model.intermediate_size=128",
-        "model.num_layers=1",
-        "model.num_heads=4",
-        "model.num_kv_heads=2",
-        "--platform=trn1",
-        "--plan",
-    ]
-    assert main(["llm", *overrides]) == 0
+#: `--plan` on a Trn1 core for a job whose logits (micro-batch x 2048 x 262144, fp32) stop every layout below
+#: micro-batch 4
+PLAN_JOB = (
+    "trainer.devices=2",
+    "trainer.strategy=model_parallel",
+    "data.vocab_size=262144",
+    "data.seq_len=2048",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_layers=1",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "--platform=trn1",
+    "--plan",
+)
+
+
+def _plan_rows(capsys: pytest.CaptureFixture[str]) -> tuple[list[list[str]], list[str]]:
     lines = capsys.readouterr().out.strip().splitlines()
-    rows = [[cell.strip() for cell in line.split("|")] for line in lines if re.match(r"^\s+\d+ \|", line)]
+    return [[cell.strip() for cell in line.split("|")] for line in lines if re.match(r"^\s+\d+ \|", line)], lines
+
+
+def test_cli_plan_lists_the_largest_micro_batch_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--plan`: each tensor-parallel size that divides the devices and key/value heads (1, 2), with and without
+    checkpointing, at micro-batches 1, 2, 4, ...: the largest below 4 per layout."""
+    assert main(["llm", *PLAN_JOB]) == 0
+    rows, lines = _plan_rows(capsys)
     assert sorted((row[0], row[1]) for row in rows) == [("1", "false"), ("1", "true"), ("2", "false"), ("2", "true")]
     assert all(row[2] in ("1", "2") and float(row[3].split()[0]) <= 16.0 for row in rows)
     assert lines[-1].startswith("capacity per rank: 16.00 GiB")
+
+
+def test_cli_plan_options_narrow_the_search(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tensor-parallel=`, `--checkpointing=` and `--micro-batches=` leave one layout and two micro-batches to try:
+    1 fits, 4 does not, so 1 (micro-batch 2, which fits, is not tried); values outside a list are refused before
+    any simulation, and so are the options without `--plan`."""
+    assert main(["llm", *PLAN_JOB, "--tensor-parallel=2", "--checkpointing=true", "--micro-batches=1,4"]) == 0
+    rows, _ = _plan_rows(capsys)
+    assert [row[:3] for row in rows] == [["2", "true", "1"]]
+    with pytest.raises(SystemExit, match=r"--tensor-parallel=3: expected a comma-separated list of 1, 2\.$"):
+        main(["llm", *PLAN_JOB, "--tensor-parallel=3"])
+    with pytest.raises(SystemExit, match=r"--checkpointing=yes: expected a comma-separated list of false, true\.$"):
+        main(["llm", *PLAN_JOB, "--checkpointing=yes"])
+    with pytest.raises(SystemExit, match=r"^--micro-batches: options of --plan\.$"):
+        main(["llm", *PLAN_JOB[:-1], "--micro-batches=2"])

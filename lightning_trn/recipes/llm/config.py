@@ -37,7 +37,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "model.warmup_steps=200",
     ),
     # ~7.2 B (Llama-3-8B's shape with a 32k vocabulary) on a trn2.48xlarge: 64 logical NeuronCores of 24 GB (LNC=2),
-    # native backend, FSDP2 over 16 x tensor parallel over 4 (1.9 GB of state per core) + activation checkpointing.
+    # native backend, FSDP2 over 16 x tensor parallel over 4 (one chip; 1.9 GB of state per core), micro-batch 1, no
+    # activation checkpointing: re-planned with `python -m lightning_trn.estimate ... --plan` (docs/recipes.md), it
+    # needs about half a core at this global batch and saves the recomputed forward (a quarter of a step's FLOPs).
     "trn2-8b": (
         "trainer.devices=64",
         "trainer.strategy=model_parallel",
@@ -56,7 +58,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "model.num_layers=32",
         "model.num_heads=32",
         "model.num_kv_heads=8",
-        "model.activation_checkpointing=true",
+        "model.activation_checkpointing=false",
         "model.lr=3.0e-4",
         "model.warmup_steps=200",
     ),
