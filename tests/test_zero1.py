@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lightning_trn import consolidate
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.stochastic_rounding import stochastic_round_to_bf16
-from lightning_trn.core.zero1 import MASTER_WEIGHT, Zero1Sharding, optimizer_state_bytes, sharding_of
+from lightning_trn.core.zero1 import MASTER_WEIGHT, Zero1Sharding, optimizer_state, optimizer_state_bytes, sharding_of
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.host_collectives import HostCollectives
 from tests.launch import child_env
@@ -188,7 +188,8 @@ def _step(model: torch.nn.Module, sharding: Zero1Sharding) -> None:
 
 def test_bf16_parameters_keep_fp32_masters_that_checkpoints_carry(one_rank_group: None) -> None:
     """bf16 parameters: the optimizer updates fp32 chunks and keeps fp32 state; the parameters are the chunks
-    stochastically rounded; `state_dict()` carries the masters and `load_state_dict` puts them back exactly."""
+    stochastically rounded; the checkpoint's state (`optimizer_state`) carries the masters and `load_state_dict` puts
+    them back exactly."""
     torch.manual_seed(0)
     model = _linear(torch.bfloat16)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -200,7 +201,7 @@ def test_bf16_parameters_keep_fp32_masters_that_checkpoints_carry(one_rank_group
     masters = [p.detach().cpu() for group in optimizer.param_groups for p in group["params"]]
     # updates of 1e-3 are below bf16's spacing: the masters moved, the bf16 weights are only their rounding
     assert not torch.equal(masters[0].view(3, 5).bfloat16().float(), masters[0].view(3, 5))
-    saved = optimizer.state_dict()
+    saved = optimizer_state(optimizer)
     torch.testing.assert_close(saved["state"][0][MASTER_WEIGHT], masters[0].view(3, 5), atol=0, rtol=0)
 
     restored_model = _linear(torch.bfloat16)
@@ -209,12 +210,14 @@ def test_bf16_parameters_keep_fp32_masters_that_checkpoints_carry(one_rank_group
     _shard(restored).optimizer.load_state_dict(saved)
     for master, shard in zip(masters, (p for group in restored.param_groups for p in group["params"]), strict=True):
         torch.testing.assert_close(shard.detach().cpu(), master, atol=0, rtol=0)
-    torch.testing.assert_close(restored.state_dict()["state"][0][MASTER_WEIGHT], masters[0].view(3, 5), atol=0, rtol=0)
+    restored_state = optimizer_state(restored)["state"][0][MASTER_WEIGHT]
+    torch.testing.assert_close(restored_state, masters[0].view(3, 5), atol=0, rtol=0)
 
 
 def test_sharding_an_optimizer_that_stepped_keeps_its_state(one_rank_group: None) -> None:
-    """An optimizer sharded after it stepped (state keyed by the module's parameters) keeps that state: its
-    `state_dict()` is the unsharded one, and so is its next step."""
+    """An optimizer sharded after it stepped (state keyed by the module's parameters) keeps that state: the
+    checkpoint's state (`optimizer_state`) is the unsharded one, and so is its next step; the optimizer's own
+    `state_dict()` is its chunks, gathered by nothing (no collective)."""
     torch.manual_seed(0)
     model = _linear()
     twin = _linear()
@@ -233,10 +236,11 @@ def test_sharding_an_optimizer_that_stepped_keeps_its_state(one_rank_group: None
     plain.step()
     for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-7, rtol=0)
+    gathered = optimizer_state(optimizer)
     for index, state in plain.state_dict()["state"].items():
         for key, value in state.items():
-            mine = optimizer.state_dict()["state"][index][key]
-            torch.testing.assert_close(mine.cpu(), value.cpu(), atol=1e-7, rtol=0)
+            torch.testing.assert_close(gathered["state"][index][key].cpu(), value.cpu(), atol=1e-7, rtol=0)
+    assert optimizer.state_dict()["state"][0]["exp_avg"].shape == (15,)  # the 3 x 5 weight's one chunk
 
 
 def test_clipping_uses_the_norm_of_all_chunks(one_rank_group: None) -> None:

@@ -10,14 +10,17 @@ the runtime's (`lightning_trn.runtime.collectives`): `xm` ops inside the step's 
 `neuron` process group natively.
 
 The optimizer stays the user's object: its param groups (and so LR schedulers) keep their hyperparameters, only
-`params` hold the chunks; `state_dict()` returns the full state in the unsharded optimizer's format (CPU tensors) on
-rank 0, gathered to it bucket by bucket over the host group (every rank must call it, as checkpointing does; the other
-ranks only send their chunks and get a stub without them, `GATHERED_ON`: only rank 0 writes a one-file checkpoint).
-`load_state_dict()` takes that format from any world size, plain DDP or one device. bf16 parameters add their fp32
+`params` hold the chunks, and its own `state_dict()` is this rank's chunks, with no collective. A checkpoint's state
+comes from `optimizer_state(optimizer)` (the strategies' `optimizer_state` / `get_optimizer_state`, as Lightning's
+strategies consolidate torch's `ZeroRedundancyOptimizer`): the full state in the unsharded optimizer's format (CPU
+tensors) on rank 0, gathered to it bucket by bucket over the host group (a collective: every rank calls it, as
+checkpointing does; the other ranks only send their chunks and get a stub without them, `GATHERED_ON`: only rank 0
+writes a one-file checkpoint). `optimizer.load_state_dict()` takes that format from any world size, plain DDP or one
+device. bf16 parameters add their fp32
 masters to it (`MASTER_WEIGHT`), so a resume is exact. Only optimizers known to update each element on its own are
 sharded (`ELEMENTWISE`; others opt in with `allow_zero1_optimizer`).
 
-Sharded checkpoints (`state_dict_type="sharded"`) skip the gather: `state_dict()` then holds this rank's chunks as
+Sharded checkpoints (`state_dict_type="sharded"`) skip the gather: `optimizer_state` then holds this rank's chunks as
 `{CHUNK: tensor, ...}` markers; the strategy writes them to `<checkpoint dir>/zero1-rank<r>.pt` on every rank and
 the rest to `<checkpoint dir>/checkpoint.pt` (`split_chunks`). Loading (`NeuronCheckpointIO`, or
 `python -m lightning_trn.consolidate`) resolves the markers from memory-mapped chunk files (`consolidate`): a ZeRO-1
@@ -96,6 +99,13 @@ def _is_elementwise(optimizer: Optimizer) -> bool:
 def sharding_of(optimizer: Optimizer) -> Zero1Sharding | None:
     """The ZeRO-1 sharding of `optimizer`, or None if it is not sharded."""
     return _SHARDINGS.get(optimizer)
+
+
+def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+    """What a checkpoint holds of `optimizer`: a ZeRO-1 optimizer's state gathered (`Zero1Sharding.state_dict`, a
+    collective every rank calls), any other's `state_dict()`."""
+    sharding = sharding_of(optimizer)
+    return optimizer.state_dict() if sharding is None else sharding.state_dict()
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
@@ -294,7 +304,6 @@ class Zero1Sharding:
             self._load_chunks(full)
             for index, value in full.items():
                 optimizer.state[self._slots[index].shard] = value
-        optimizer.register_state_dict_post_hook(self._state_dict_post_hook)
         optimizer.register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
         _SHARDINGS[optimizer] = self
 
@@ -370,10 +379,12 @@ class Zero1Sharding:
     def _is_chunk(self, slot: _Slot, key: str, value: Any) -> bool:
         return isinstance(value, Tensor) and key != "step" and value.shape == slot.shard.shape
 
-    def _state_dict_post_hook(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Post-hook of `optimizer.state_dict()`: every chunked state tensor gathered into its parameter's shape on
-        rank 0's host (the other ranks get a stub without them), or (sharded) left as this rank's chunk in a marker;
-        bf16 parameters also give their fp32 master."""
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state for a checkpoint, in the unsharded optimizer's format: every chunked state tensor
+        gathered into its parameter's shape on rank 0's host (a collective over the host group: every rank calls it;
+        the others get a stub without them), or (sharded) left as this rank's chunk in a marker; bf16 parameters also
+        give their fp32 master."""
+        state_dict = self.optimizer.state_dict()
         pieces: list[tuple[int, str, Tensor]] = []
         for index, slot in enumerate(self._slots):
             state = state_dict["state"].get(index, {})

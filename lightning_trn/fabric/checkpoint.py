@@ -9,6 +9,8 @@ import lightning
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_trn.core.zero1 import optimizer_state
+
 
 def trainer_checkpoint(
     module: Module, optimizers: Iterable[Optimizer], lr_schedulers: Iterable[Any] = (), **extra: Any
@@ -18,7 +20,7 @@ def trainer_checkpoint(
     Fabric has no loop state). `extra` entries are saved beside them (a step count of your own)."""
     return {
         "state_dict": module,
-        "optimizer_states": [optimizer.state_dict() for optimizer in optimizers],
+        "optimizer_states": [optimizer_state(optimizer) for optimizer in optimizers],  # ZeRO-1's gathered
         "lr_schedulers": [scheduler.state_dict() for scheduler in lr_schedulers],
         "pytorch-lightning_version": lightning.__version__,
         **extra,

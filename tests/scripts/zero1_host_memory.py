@@ -10,7 +10,7 @@ system at once and the phases do not inherit each other's heap.
 
 All phases run twice: first on a model of `BASELINE_NUMEL` elements (`"model": "baseline"`: the fixed overhead, e.g.
 the first use of the gather and of `torch.save`), then on one of `--numel` (`"model": "measured"`). Phases, in
-order: `save-full` (`optimizer.state_dict()`, gathered to rank 0, which writes `<out>/full-<N>.ckpt`, as the
+order: `save-full` (`optimizer_state(optimizer)`, gathered to rank 0, which writes `<out>/full-<N>.ckpt`, as the
 strategies do for `state_dict_type="full"`), `save-sharded` (each rank writes its chunks to
 `<out>/sharded-<N>/zero1-rank<r>.pt`, rank 0 the rest to its `checkpoint.pt`, as `_split_checkpoint` does), then
 `load:<path>` for these two and each `--load` path: `NeuronCheckpointIO` with this rank's `zero1_shard`, then
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_trn.core.checkpoint_io import NeuronCheckpointIO, atomic_local_save
-from lightning_trn.core.zero1 import SHARDED_MAIN_FILE, Zero1Sharding, chunk_file, split_chunks
+from lightning_trn.core.zero1 import SHARDED_MAIN_FILE, Zero1Sharding, chunk_file, optimizer_state, split_chunks
 from lightning_trn.runtime.host_collectives import HostCollectives
 
 #: parameter sizes as fractions of --numel (odd sizes: padded at 2 and 4 ranks)
@@ -127,12 +127,12 @@ def run_phases(me: Rank, out: Path, more: list[str]) -> None:
     sharded = out / f"sharded-{me.world_size}"
 
     def save_full(optimizer: torch.optim.Optimizer) -> None:
-        checkpoint = {"optimizer_states": [optimizer.state_dict()]}
+        checkpoint = {"optimizer_states": [optimizer_state(optimizer)]}
         if me.rank == 0:
             NeuronCheckpointIO().save_checkpoint(checkpoint, full)
 
     def save_sharded(optimizer: torch.optim.Optimizer) -> None:
-        checkpoint, chunks = split_chunks({"optimizer_states": [optimizer.state_dict()]})
+        checkpoint, chunks = split_chunks({"optimizer_states": [optimizer_state(optimizer)]})
         atomic_local_save({"chunks": chunks}, sharded / chunk_file(me.rank))
         if me.rank == 0:
             NeuronCheckpointIO().save_checkpoint(checkpoint, sharded / SHARDED_MAIN_FILE)

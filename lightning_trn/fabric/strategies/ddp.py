@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trn.core.data_parallel import DataParallelCore
-from lightning_trn.core.zero1 import sharding_of
+from lightning_trn.core.zero1 import optimizer_state, sharding_of
 from lightning_trn.fabric.strategies.base import NeuronFabricStrategyBase
 
 
@@ -89,6 +89,12 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyBase, ParallelStra
         """Clip the gradients averaged over the ranks (ZeRO-1: this rank's chunks of them)."""
         self._reduce_for_step(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """What `fabric.save` writes of `optimizer`: with ZeRO-1 its chunks gathered to rank 0 here (a collective on
+        every rank, `lightning_trn.core.zero1.optimizer_state`)."""
+        return optimizer_state(optimizer)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:

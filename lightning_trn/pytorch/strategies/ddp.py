@@ -12,14 +12,18 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trn.core.data_parallel import DataParallelCore
 from lightning_trn.core.strategy import CheckpointingPolicy
+from lightning_trn.core.zero1 import optimizer_state
 from lightning_trn.pytorch.strategies.base import NeuronStrategyBase
 
 
@@ -73,6 +77,15 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyBase, ParallelStrategy):
         """Start every rank from rank 0's parameters and buffers."""
         assert self.model is not None
         self._broadcast_weights(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """What the checkpoint holds of `optimizer`: with ZeRO-1 its chunks gathered to rank 0 here (a collective on
+        every rank, `lightning_trn.core.zero1.optimizer_state`), as Lightning consolidates torch's
+        `ZeroRedundancyOptimizer`."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer_state(optimizer)
 
     def _shard_optimizer_state(self, trainer: pl.Trainer) -> None:
         """With `zero1=True`, shard each optimizer's state over the ranks (after the weights were broadcast)."""
