@@ -129,8 +129,9 @@ class Pipeline:
         model: Module,
         loss_fn: LossFn,
         parts: list[Module] | None = None,
-        build: Callable[[list[Module], LossFn], Any] | None = None,
+        build: Callable[[list[Module], LossFn | None], Any] | None = None,
         report: Callable[[Tensor | None], Tensor] | None = None,
+        share: Callable[[Any], Any] | None = None,
         loss_scale: Callable[[], float] = lambda: 1.0,
         on_backward: Callable[[], None] = lambda: None,
         microbatches: int = 1,
@@ -142,9 +143,12 @@ class Pipeline:
         self.microbatches = microbatches
         self._build = build
         self._report = report
+        self._share = share
         self._loss_scale = loss_scale
         self._on_backward = on_backward
         self._schedule: Any = None
+        #: the schedule without a loss, for `predict` (one with a loss computes it on the last stage, target or not)
+        self._forward_schedule: Any = None
 
     @property
     def is_pipelined(self) -> bool:
@@ -158,10 +162,15 @@ class Pipeline:
     def _scaled_loss(self, output: Any, target: Any) -> Tensor:
         return self.loss_fn(output, target) * self._scale()
 
-    def _run(self, inputs: tuple[Any, ...], target: Any, train: bool) -> Tensor:
-        assert self._build is not None and self._report is not None
-        if self._schedule is None:  # after `configure_model`: the parts are parallelized and on the device now
+    def _scheduled(self, inputs: tuple[Any, ...], with_loss: bool = True) -> Any:
+        """The schedule (with the loss, or without for `predict`), built at its first use (after `configure_model`:
+        the parts are parallelized and on the device now), once `inputs` are checked to split into the
+        microbatches."""
+        assert self._build is not None
+        if with_loss and self._schedule is None:
             self._schedule = self._build(self.parts, self._scaled_loss)
+        if not with_loss and self._forward_schedule is None:
+            self._forward_schedule = self._build(self.parts, None)
         for input in inputs:
             if isinstance(input, Tensor) and input.shape[0] % self.microbatches:
                 raise ValueError(
@@ -169,12 +178,17 @@ class Pipeline:
                     f"{input.shape[0]} samples. Make the per-rank batch size a multiple of the microbatches "
                     "(`pipeline_microbatches` of the strategy)."
                 )
+        return self._schedule if with_loss else self._forward_schedule
+
+    def _run(self, inputs: tuple[Any, ...], target: Any, train: bool) -> Tensor:
+        assert self._report is not None
+        schedule = self._scheduled(inputs)
         losses: list[Tensor] = []
         if train:
-            self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+            schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             self._on_backward()
         else:
-            self._schedule.eval(*inputs, target=target, losses=losses)
+            schedule.eval(*inputs, target=target, losses=losses)
         mean = torch.stack([loss.detach() for loss in losses]).mean() / self._scale() if losses else None
         return self._report(mean)
 
@@ -192,6 +206,15 @@ class Pipeline:
             return self.loss_fn(self.model(*inputs), target)
         with torch.no_grad():
             return self._run(inputs, target, train=False)
+
+    def predict(self, *inputs: Any) -> Any:
+        """The model's output for the batch (`predict_step`): with stages, the forward-only schedule's output of
+        the last stage, handed to every rank (as the host object it is, through the pipeline ranks' group)."""
+        if not self.is_pipelined:
+            return self.model(*inputs)
+        assert self._share is not None
+        with torch.no_grad():
+            return self._share(self._scheduled(inputs, with_loss=False).eval(*inputs))
 
 
 def pipeline_split(
@@ -253,7 +276,7 @@ def build_schedule(
     device: torch.device,
     group: dist.ProcessGroup,
     microbatches: int,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
 ) -> Any:
     """`torch.distributed.pipelining`'s stages for `parts` and the schedule over them."""
     from torch.distributed.pipelining import PipelineStage
@@ -365,7 +388,7 @@ class Pipelining:
         last = stage_rank(self.schedule, self.num_stages - 1, self.size, self.stages_per_rank)
         group, report_group = self._group, mesh["pipeline_parallel"].get_group()
 
-        def build(parts: list[Module], scaled_loss: LossFn) -> Any:
+        def build(parts: list[Module], scaled_loss: LossFn | None) -> Any:
             return build_schedule(
                 self.schedule, parts, stages, self.num_stages, device, group, self.microbatches, scaled_loss
             )
@@ -376,12 +399,19 @@ class Pipelining:
             dist.broadcast(value, group=report_group, group_src=last)
             return value
 
+        def share(output: Any) -> Any:
+            """The last stage's output on every stage's rank, on this rank's device."""
+            objects = [output.cpu() if isinstance(output, Tensor) else output]
+            dist.broadcast_object_list(objects, group=report_group, group_src=last, device=device)
+            return objects[0].to(device) if isinstance(objects[0], Tensor) else objects[0]
+
         return Pipeline(
             model,
             loss_fn,
             parts,
             build=build,
             report=report,
+            share=share,
             loss_scale=loss_scale,
             on_backward=self._mark_backward,
             microbatches=self.microbatches,

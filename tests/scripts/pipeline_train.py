@@ -121,6 +121,11 @@ class PipelineModel(pl.LightningModule):
         assert self.pipeline is not None
         self.val_losses.append(float(self.pipeline.eval(tokens[:, :-1], target=tokens[:, 1:])))
 
+    def predict_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        (tokens,) = batch
+        assert self.pipeline is not None
+        return self.pipeline.predict(tokens[:, :-1])
+
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         self.losses.append(float(outputs["loss"]))
 
@@ -221,10 +226,15 @@ def train_with_trainer(args: argparse.Namespace, data: TensorDataset) -> tuple[d
     train = DataLoader(data, batch_size=per_rank, shuffle=True)
     val = DataLoader(TensorDataset(data.tensors[0][:16]), batch_size=GLOBAL_BATCH // data_ranks)
     trainer.fit(model, train, val, ckpt_path=args.resume)
+    predictions = []
+    if args.predict:  # the logits of 8 sequences, in 2 batches, summed (every rank gets the last stage's)
+        outputs = trainer.predict(model, DataLoader(TensorDataset(data.tensors[0][:8]), batch_size=4))
+        predictions = [float(logits.double().sum()) for logits in outputs]
     # full tensors on every rank (not only rank 0: a pipeline rank holds its stages' parameters only)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     state = {name: value.cpu() for name, value in state.items()}
-    return state, {"losses": model.losses, "val_losses": model.val_losses}, trainer.global_rank
+    run = {"losses": model.losses, "val_losses": model.val_losses, "predictions": predictions}
+    return state, run, trainer.global_rank
 
 
 def main() -> None:
@@ -239,6 +249,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps in all")
     parser.add_argument("--validate", action="store_true", help="2 validation batches at the end")
     parser.add_argument("--save", action="store_true", help="a checkpoint after optimizer step 3")
+    parser.add_argument("--predict", action="store_true", help="Trainer: `trainer.predict` on 8 sequences after fit")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -62,22 +62,24 @@ def _assert_same_weights(run: dict, reference: dict, tolerance: float = WEIGHT_T
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The unsplit model under Lightning's own ModelParallelStrategy on the CPU, one process."""
-    return _run(tmp_path_factory.mktemp("reference"), "--accelerator", "cpu", "--validate")
+    return _run(tmp_path_factory.mktemp("reference"), "--accelerator", "cpu", "--validate", "--predict")
 
 
 @pytest.fixture(scope="module")
 def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """2 stages on 2 ranks, 1F1B, with validation and a checkpoint after optimizer step 3."""
+    """2 stages on 2 ranks, 1F1B, with validation, a checkpoint after optimizer step 3 and `trainer.predict`."""
     out = tmp_path_factory.mktemp("1f1b")
-    return _run(out, "--pp", "2", "--validate", "--save"), out / "step=3.ckpt"
+    return _run(out, "--pp", "2", "--validate", "--save", "--predict"), out / "step=3.ckpt"
 
 
 def test_1f1b_equals_the_unsplit_run(one_f_one_b: tuple[dict, Path], reference: dict) -> None:
-    """The loss of every batch (reported from the last stage to rank 0), the validation losses (forward-only
-    schedule) and the final weights of both stages."""
+    """The loss of every batch (reported from the last stage to rank 0), the validation losses and the predictions
+    (forward-only schedule; the last stage's logits handed to rank 0) and the final weights of both stages."""
     run, _ = one_f_one_b
     torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(run["val_losses"], reference["val_losses"], rtol=1e-5, atol=0)
+    assert len(run["predictions"]) == 2
+    torch.testing.assert_close(run["predictions"], reference["predictions"], rtol=1e-5, atol=0)
     assert len(run["val_losses"]) == 4  # two validation runs of 2 batches
     _assert_same_weights(run, reference)
 
