@@ -55,16 +55,18 @@ def finish(proc: subprocess.Popen, out: Path, metrics: tuple[str, ...] = ("val_l
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
+    line = next(line for line in stdout.splitlines() if "held-out test" in line)
+    return {**left_behind(out, metrics), "line": line, "stderr": stderr}
+
+
+def left_behind(out: Path, metrics: tuple[str, ...] = ("val_loss", "test_loss")) -> dict:
+    """What a finished run in `out` left: its last checkpoint (`ckpt`) and its logged `metrics`."""
     with open(out / "logs" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    logged = {key: [float(row[key]) for row in rows if row.get(key)] for key in metrics}
-    line = next(line for line in stdout.splitlines() if "held-out test" in line)
     return {
         # a file, or a sharded strategy's directory consolidated
         "ckpt": NeuronCheckpointIO().load_checkpoint(out / "checkpoints" / "last.ckpt"),
-        "metrics": logged,
-        "line": line,
-        "stderr": stderr,
+        "metrics": {key: [float(row[key]) for row in rows if row.get(key)] for key in metrics},
     }
 
 

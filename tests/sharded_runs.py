@@ -24,9 +24,12 @@ STEPS = 5
 
 
 def run_job(out: Path, kind: str, *args: str, killed: bool = False, script: Path = SCRIPT) -> Path:
-    """Run the 2-rank job (`script`, by default the worker of the module docstring) in its own process group; return
-    its checkpoint directory. `killed`: the job must end by its own SIGKILL (else the kill point was never reached and
-    nothing was tested)."""
+    """Run the 2-rank job (`script`, by default the worker of the module docstring); return its checkpoint directory.
+    `killed`: the job must end by its own SIGKILL (else the kill point was never reached and nothing was tested).
+
+    A job that kills itself kills its process group (`killpg`), so it runs in a session of its own, which starts
+    cold (tests/warm_client.py); any other job starts from the warm interpreter, whose fork takes its other ranks
+    with it when the test kills the client."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(script), "--out", str(out), "--kind", kind, *args]
     proc = subprocess.Popen(
@@ -36,13 +39,16 @@ def run_job(out: Path, kind: str, *args: str, killed: bool = False, script: Path
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,
+        start_new_session=killed,
     )
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the other ranks, if any is left
+        if killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the other ranks, if any is left
+        else:
+            proc.kill()
     expected = -signal.SIGKILL if killed else 0
     assert proc.returncode == expected, f"exit {proc.returncode}, expected {expected}:\n{output[-3000:]}"
     return out / "ckpts"

@@ -238,5 +238,5 @@ def test_one_process_strategies_answer_collectives_as_their_one_rank() -> None:
         assert not strategy.is_distributed and strategy.process_group_backend is None
         assert strategy._gather_objects("only") == ["only"]
         with pytest.raises(RuntimeError, match="one-process strategy has no collectives"):
-            strategy.collectives
+            _ = strategy.collectives
     assert SingleDeviceNeuronStrategy().reduce(value, reduce_op="sum") is value

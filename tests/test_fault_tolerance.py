@@ -358,13 +358,13 @@ def test_sigterm_to_one_rank_of_a_data_parallel_job_stops_both_at_one_checkpoint
     uninterrupted = _train(tmp_path / "a", devices=2, max_steps=steps)
     assert uninterrupted.returncode == 0, uninterrupted.stderr
     out = tmp_path / "b"
-    proc = _popen(
-        _train_args(out, 2, steps, "--sigterm-rank", "1", "--sigterm-step", str(stop_at)), start_new_session=True
-    )
+    # no session of its own (a warm start): if a rank hangs, killing the client ends the warm fork with its ranks
+    proc = _popen(_train_args(out, 2, steps, "--sigterm-rank", "1", "--sigterm-step", str(stop_at)))
     try:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)  # ends when both ranks closed their stdout
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        proc.kill()
+        proc.communicate()
         pytest.fail("the signalled job did not stop: a rank hung")
     assert proc.returncode == 0, stderr  # `SIGTERMException` is a `SystemExit` without a code
     assert sorted(line for line in stdout.splitlines() if line.startswith("STOPPED")) == [

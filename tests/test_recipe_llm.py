@@ -172,18 +172,26 @@ def test_the_tokenizer_is_deterministic_in_and_across_processes(tmp_path):
         "from lightning_trn.recipes import llm\n"
         "from lightning_trn.recipes.data_sources import load_rotten_tomatoes\n"
         "texts = llm.split_documents(load_rotten_tomatoes()[0], 0.1, 0.1, seed=42)[0]\n"
+        "print(hash('a string'))\n"
         "print(llm.train_tokenizer(texts, 2048).backend_tokenizer.to_str())\n"
     )
+    # another process has another string hash seed (the child, as every fork of the warm interpreter, has that
+    # interpreter's random one); under a fixed PYTHONHASHSEED the child gets another fixed one (and starts cold)
+    env = dict(os.environ)
+    if env.get("PYTHONHASHSEED", "random") != "random":
+        env["PYTHONHASHSEED"] = str(int(env["PYTHONHASHSEED"]) + 1)
     child = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=Path(__file__).parents[1],
-        env={**os.environ, "PYTHONHASHSEED": "12345"},
+        env=env,
     )
     assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.strip() == first.backend_tokenizer.to_str()
+    child_hash, child_tokenizer = child.stdout.strip().split("\n", 1)
+    assert int(child_hash) != hash("a string")  # its sets of strings iterate in another order
+    assert child_tokenizer == first.backend_tokenizer.to_str()
     encoded = first("An unexpectedly moving film.", add_special_tokens=False)["input_ids"]
     assert first.decode(encoded) == "An unexpectedly moving film."  # byte-level: the text comes back exactly
 

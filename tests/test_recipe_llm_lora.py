@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from lightning_trn.recipes import cli, common, llm
 from lightning_trn.recipes.llm import lora
 from tests.launch import child_env
-from tests.recipe_runs import run
+from tests.recipe_runs import left_behind, run
 from tests.test_recipe_llm_pretrained import STEP, Folder, save_folder
 
 pytestmark = pytest.mark.both
@@ -206,7 +206,9 @@ def test_lora_under_zero1_on_two_devices_ends_like_one_device(folder: Folder, tm
     """Every rank takes the recipe's own seeded shuffle (no distributed sampler), as one device does: the same global
     batches, so the gradients averaged over the ranks are one device's; ZeRO-1 keeps (and checkpoints) the adapters'
     state only. ZeRO-1 is the DDP strategy with the optimizer state sharded; plain DDP with LoRA runs on the stand-in
-    (tests/standin/test_recipe_llm_lora_sharded.py), which keeps this slow XLA:CPU test to one 2-process run."""
+    (tests/standin/test_recipe_llm_lora_sharded.py), which keeps this slow XLA:CPU test to one 2-process run; the
+    one-device job runs in this process (`cli.main`, what `python -m recipes.llm` runs), whose earlier tests compiled
+    its graphs."""
     common_args = [
         f"model.pretrained={folder.path}",
         f"data.source={folder.rows}",
@@ -218,7 +220,8 @@ def test_lora_under_zero1_on_two_devices_ends_like_one_device(folder: Folder, tm
         "trainer.limit_test_batches=1",
     ]
     metrics = ("train_loss", "val_loss")
-    one = run("llm", tmp_path / "one", *common_args, env=child_env(), metrics=metrics)
+    cli.main(llm.RECIPE, [*common_args, f"out_dir={tmp_path / 'one'}"])
+    one = left_behind(tmp_path / "one", metrics)
     adapters = [name for name in one["ckpt"]["state_dict"] if ".lora_A." in name or ".lora_B." in name]
     assert len(set(one["metrics"]["train_loss"])) == 3
     strategy = "neuron_zero1"

@@ -324,8 +324,8 @@ READ_AROUND = 2 * MIB
 
 
 def _memory_run(world_size: int, out: Path, *load: Path) -> list[dict]:
-    """The script's records from `world_size` gloo processes; freed tensors go back to the system at once (a fixed
-    glibc mmap threshold), so a phase's peak does not depend on the heap the phases before it left."""
+    """The script's records from `world_size` gloo processes; freed tensors go back to the system at once (the script
+    fixes glibc's mmap threshold), so a phase's peak does not depend on the heap the phases before it left."""
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     port = str(find_free_network_port())
@@ -346,8 +346,6 @@ def _memory_run(world_size: int, out: Path, *load: Path) -> list[dict]:
                 RANK=str(rank),
                 WORLD_SIZE=str(world_size),
                 MASTER_PORT=port,
-                MALLOC_MMAP_THRESHOLD_="65536",
-                MALLOC_TRIM_THRESHOLD_="65536",
                 OMP_NUM_THREADS="1",
             ),
             stdout=subprocess.PIPE,

@@ -5,8 +5,10 @@ The model is three fp32 parameters of `--numel` elements in all (sizes that need
 Adam whose moments are a known function of the element index, so every load is checked element by element. A phase
 starts from a fresh model and optimizer; its figure is the peak resident set during the phase (`VmHWM`, what
 `ru_maxrss` reports, reset through `/proc/self/clear_refs` when the phase starts) less the resident set before the
-optimizer was sharded. The test runs its children with a fixed glibc mmap threshold, so freed tensors go back to the
-system at once and the phases do not inherit each other's heap.
+optimizer was sharded. The script fixes glibc's mmap and trim thresholds first (`mallopt`, what
+`MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=65536` do at a process's start), so freed tensors go back to the
+system at once and the phases do not inherit each other's heap; set at run time, the ranks can start from the test
+suite's warm interpreter (tests/warm_python.py), which a variable read at start-up would rule out.
 
 All phases run twice: first on a model of `BASELINE_NUMEL` elements (`"model": "baseline"`: the fixed overhead, e.g.
 the first use of the gather and of `torch.save`), then on one of `--numel` (`"model": "measured"`). Phases, in
@@ -20,6 +22,7 @@ strategies do for `state_dict_type="full"`), `save-sharded` (each rank writes it
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import resource
@@ -39,6 +42,17 @@ FRACTIONS = (0.5, 0.3, 0.2)
 BUCKET_BYTES = 2 * 1024 * 1024
 BASELINE_NUMEL = 30_000
 STEP = 3.0
+#: glibc's `mallopt` parameters, and the threshold in bytes above which an allocation is its own mapping
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 65536
+
+
+def fix_malloc_thresholds() -> None:
+    """Allocations over 64 KiB get mappings of their own, unmapped at `free`, and the heap's free top is trimmed past
+    64 KiB: a freed tensor leaves the resident set at once."""
+    libc = ctypes.CDLL("libc.so.6")
+    if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, MMAP_THRESHOLD)):
+        raise RuntimeError("mallopt refused the thresholds")
 
 
 def _status_kb(field: str) -> int:
@@ -157,6 +171,9 @@ def main() -> None:
     parser.add_argument("--numel", type=int, required=True)
     parser.add_argument("--load", nargs="*", default=[], help="more checkpoints to load (other world sizes)")
     args = parser.parse_args()
+    fix_malloc_thresholds()
+    # the imports' objects are never garbage: each phase's `gc.collect()` then walks only what the phases made
+    gc.freeze()
     dist.init_process_group("gloo")
     run_phases(Rank(BASELINE_NUMEL, "baseline"), Path(args.out) / "baseline", [])
     run_phases(Rank(args.numel, "measured"), Path(args.out), args.load)

@@ -39,10 +39,13 @@ FSDP_SIZES = {
 FAULT_AROUND_BYTES = 64 << 10
 
 
-def launch(folder: Folder, out: Path, dp: int, tp: int, *options: str) -> list[dict]:
-    # cold (a fresh interpreter, not a fork of the warm one): the host-peak bound has no slack for the pages a fork
-    # shares with its parent and copies on first write
-    env = child_env(LIGHTNING_TRN_STANDIN="1", LIGHTNING_TRN_STANDIN_DEVICES=str(dp * tp), LIGHTNING_TRN_TEST_COLD="1")
+def launch(folder: Folder, out: Path, dp: int, tp: int, *options: str, cold: bool = False) -> list[dict]:
+    """The script's records and logits from `dp * tp` ranks. `cold`: every process a fresh interpreter, not a fork of
+    the warm one, for a run whose host peaks are checked: their bound has no slack for the pages a fork shares with
+    its parent and copies on first write."""
+    env = child_env(LIGHTNING_TRN_STANDIN="1", LIGHTNING_TRN_STANDIN_DEVICES=str(dp * tp))
+    if cold:
+        env["LIGHTNING_TRN_TEST_COLD"] = "1"
     command = [
         sys.executable,
         str(SCRIPT),
@@ -70,7 +73,8 @@ def fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Folder, list[dict]]:
     process pays once, whatever the model's size, is paid before the measured load."""
     folder = save_llama(tmp_path_factory.mktemp("fsdp_model"), max_shard_size="40MB", **FSDP_SIZES)
     small = save_llama(tmp_path_factory.mktemp("warmup_model"))
-    return folder, launch(folder, tmp_path_factory.mktemp("fsdp"), 2, 1, "--trainer", "--warmup", str(small.path))
+    out = tmp_path_factory.mktemp("fsdp")
+    return folder, launch(folder, out, 2, 1, "--trainer", "--warmup", str(small.path), cold=True)
 
 
 def test_single_device(tmp_path: Path) -> None:
