@@ -122,11 +122,13 @@ class RankMemory:
 class Collective:
     """One kind of collective in one training step: how often it ran and the bytes of its buffers on each rank, in
     all (per call the larger side: the gathered tensors of an all-gather, the input of a reduce-scatter, the tensor
-    of an all-reduce)."""
+    of an all-reduce), and `across_nodes`, the part of them in groups whose ranks are on more than one node (EFA
+    between nodes rather than NeuronLink within one)."""
 
     kind: str
     count: int
     bytes_per_rank: int
+    across_nodes: int = 0
 
 
 @dataclass
@@ -207,11 +209,22 @@ class Estimate:
                 f"{self.capacity / _GIB:.0f} GiB",
             ]
             lines.append(" | ".join(f"{cell:>11}" for cell in cells))
-        lines += ["", "collectives of one training step (per rank)", f"{'kind':>30} | {'count':>6} | {'bytes':>12}"]
+        lines += [
+            "",
+            "collectives of one training step (per rank)",
+            f"{'kind':>30} | {'count':>6} | {'bytes':>12} | {'across nodes':>12}",
+        ]
         for collective in self.collectives:
-            lines.append(f"{collective.kind:>30} | {collective.count:>6} | {_size(collective.bytes_per_rank):>12}")
+            sizes = f"{_size(collective.bytes_per_rank):>12} | {_size(collective.across_nodes):>12}"
+            lines.append(f"{collective.kind:>30} | {collective.count:>6} | {sizes}")
         if not self.collectives:
             lines.append(f"{'(none)':>30} |")
+        total = sum(collective.bytes_per_rank for collective in self.collectives)
+        across = sum(collective.across_nodes for collective in self.collectives)
+        lines.append(
+            f"bytes per rank and step: {_size(total)} in all, {_size(across)} in groups that span nodes, "
+            f"{_size(total - across)} within a node"
+        )
         lines += ["", *self.notes, MARGIN_SOURCE, RESERVED_SOURCE, NOT_SIMULATED, self.budget_line()]
         if not self.fits:
             lines.append(self.advice())

@@ -94,11 +94,11 @@ def _cluster(world_size: int, rank: int, devices: int) -> Any:
 
 
 class _CollectiveBytes:
-    """`CommDebugMode` counting the bytes of each collective's largest tensor as well (set up lazily: the class
-    needs torch.distributed.tensor)."""
+    """`CommDebugMode` counting the bytes of each collective's largest tensor as well, in all and in groups whose
+    ranks span more than one node of `devices` ranks (set up lazily: the class needs torch.distributed.tensor)."""
 
     @staticmethod
-    def mode() -> Any:
+    def mode(devices: int) -> Any:
         from torch.distributed.tensor.debug import CommDebugMode
         from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
 
@@ -106,16 +106,36 @@ class _CollectiveBytes:
             def __init__(self) -> None:
                 super().__init__()
                 self.comm_bytes: dict[Any, int] = defaultdict(int)
+                self.cross_node_bytes: dict[Any, int] = defaultdict(int)
 
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 out = super().__torch_dispatch__(func, types, args, kwargs)
                 packet = getattr(func, "_overloadpacket", None)
                 if out is not NotImplemented and (packet in self.comm_registry or packet in c10d_collective_ops):
                     packet = NATIVE_TO_PY_MAPPING.get(packet, packet)
-                    self.comm_bytes[packet] += max(map(_tensor_bytes, (*args, *(kwargs or {}).values(), out)))
+                    size = max(map(_tensor_bytes, (*args, *(kwargs or {}).values(), out)))
+                    self.comm_bytes[packet] += size
+                    if len({rank // devices for rank in _group_ranks(args, kwargs)}) > 1:
+                        self.cross_node_bytes[packet] += size
                 return out
 
         return Mode()
+
+
+def _group_ranks(args: Any, kwargs: Any) -> list[int]:
+    """The global ranks of the group a collective runs in: its argument is a `ProcessGroup` (c10d ops, boxed) or a
+    group's name (functional collectives); the default group's ranks where none is named."""
+    import torch.distributed as dist
+    from torch.distributed import ProcessGroup
+
+    names = {name: group for group, name in dist.distributed_c10d._world.pg_names.items()}
+    for leaf in tree_flatten([args, kwargs or {}])[0]:
+        if isinstance(leaf, torch.ScriptObject) and "ProcessGroup" in str(leaf._type()):
+            leaf = ProcessGroup.unbox(leaf)
+        group = leaf if isinstance(leaf, ProcessGroup) else names.get(leaf) if isinstance(leaf, str) else None
+        if group is not None:
+            return dist.get_process_group_ranks(group)
+    return list(range(dist.get_world_size()))
 
 
 def _tensor_bytes(tree: Any) -> int:
@@ -128,12 +148,16 @@ def _collectives(modes: list[Any]) -> list[Collective]:
     """The collectives the modes (one per micro-batch of a step) counted, in all."""
     counts: dict[Any, int] = defaultdict(int)
     sizes: dict[Any, int] = defaultdict(int)
+    across: dict[Any, int] = defaultdict(int)
     for mode in modes:
         for packet, count in mode.get_comm_counts().items():
             counts[packet] += count
             sizes[packet] += mode.comm_bytes.get(packet, 0)
+            across[packet] += mode.cross_node_bytes.get(packet, 0)
     return [
-        Collective(str(packet).replace("c10d.", "").replace("_c10d_functional.", ""), count, sizes[packet])
+        Collective(
+            str(packet).replace("c10d.", "").replace("_c10d_functional.", ""), count, sizes[packet], across[packet]
+        )
         for packet, count in sorted(counts.items(), key=lambda item: str(item[0]))
     ]
 
@@ -178,10 +202,11 @@ class _Measure:
     """A callback that makes every tensor fake from the `setup` hook on (after the strategy's environment: the
     device mesh is built from real rank lists), tracks the device memory from the end of the strategy's setup
     (`on_fit_start`: the model sharded and materialized, the optimizers built) to the end of the second optimizer
-    step (`accumulate` micro-batches each), and the collectives of that step."""
+    step (`accumulate` micro-batches each), and the collectives of that step (`devices` ranks per node: which of
+    them cross nodes)."""
 
     @staticmethod
-    def callback(result: dict[str, Any], fake_mode: Any, accumulate: int) -> Any:
+    def callback(result: dict[str, Any], fake_mode: Any, accumulate: int, devices: int) -> Any:
         from lightning.pytorch.callbacks import Callback
         from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -220,7 +245,7 @@ class _Measure:
 
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
                 if batch_idx >= accumulate:  # one mode per micro-batch: its module tracker follows one forward
-                    self.comms.append(self.comm_stack.enter_context(_CollectiveBytes.mode()))
+                    self.comms.append(self.comm_stack.enter_context(_CollectiveBytes.mode(devices)))
 
             def on_train_batch_end(
                 self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -352,7 +377,7 @@ def simulate_rank(
                     "enable_model_summary": False,
                     "use_distributed_sampler": False,
                     "default_root_dir": root,
-                    "callbacks": [_Measure.callback(result, fake_mode, accumulate)],
+                    "callbacks": [_Measure.callback(result, fake_mode, accumulate, devices)],
                     "plugins": [*_as_list(trainer_kwargs.get("plugins")), _cluster(world_size, rank, devices)],
                 }
             )

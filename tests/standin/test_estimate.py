@@ -6,7 +6,8 @@ What is checked: for FSDP2 (with and without activation checkpointing), tensor p
 about 21 M parameters), the estimated per-rank peak is within 10 % of the stand-in allocator's peak over the second
 training step (`torch.neuron.max_memory_allocated()`; measured here: within 100 bytes); the command line prints the
 tables, ends with the `peak device memory per rank` line and exits 0 when the job fits, 1 with one line of advice
-when it does not, without allocating the model; `--plan` lists the largest micro-batch that fits per layout. The
+when it does not, without allocating the model; `--plan` lists the largest micro-batch that fits per layout; the
+collectives' bytes in groups that span nodes are told apart from those within a node (FSDP2 against HSDP). The
 simulations run in this process: a simulation leaves it as it found it (tests/standin/test_estimate_patterns.py).
 """
 
@@ -176,3 +177,37 @@ def test_cli_plan_options_narrow_the_search(capsys: pytest.CaptureFixture[str]) 
         main(["llm", *PLAN_JOB, "--checkpointing=yes"])
     with pytest.raises(SystemExit, match=r"^--micro-batches: options of --plan\.$"):
         main(["llm", *PLAN_JOB[:-1], "--micro-batches=2"])
+
+
+#: one column of a collectives row: kind | count | bytes | across nodes
+COLLECTIVE_ROW = re.compile(r"^\s*(\S+) \|\s+(\d+) \|\s+(.+?) \|\s+(.+)$")
+TOTAL_LINE = re.compile(r"^bytes per rank and step: (.+) in all, (.+) in groups that span nodes, (.+) within a node$")
+
+
+def _bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_cli_counts_the_bytes_that_cross_nodes(capsys: pytest.CaptureFixture[str], replicas: int) -> None:
+    """2 nodes of 2 ranks: FSDP2 over all 4 gathers and reduce-scatters across the nodes; HSDP (2 replicas, one per
+    node, of 2-way FSDP2) keeps them within a node and only its all-reduce of the gradients over the replicas
+    crosses. The table's column and the total line say so."""
+    job = ["trainer.devices=2", "trainer.num_nodes=2", "trainer.strategy=model_parallel"]
+    job.append("trainer.precision=bf16-mixed")
+    small = ["data.vocab_size=4096", "data.seq_len=256", "data.batch_size=2", "model.hidden_size=64"]
+    assert main(["llm", *job, *small, "model.num_layers=2", f"model.replicate_size={replicas}"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = {m[1]: (int(m[2]), _bytes(m[3]), _bytes(m[4])) for m in map(COLLECTIVE_ROW.match, lines) if m}
+    gathers = [row for kind, row in rows.items() if "allgather" in kind or "reduce_scatter" in kind]
+    assert len(gathers) == 2 and all(count > 0 and size > 0 for count, size, _ in gathers)
+    total, across, within = (_bytes(text) for text in next(filter(None, map(TOTAL_LINE.match, lines))).groups())
+    if replicas == 1:
+        assert all(across == size for _, size, across in gathers)
+        assert across == total > 0 and within == 0
+    else:
+        assert all(across == 0 for _, _, across in gathers)
+        count, size, crossing = rows["allreduce_"]  # the gradients' reduction over the replicas
+        assert count > 0 and crossing == size > 0
+        assert across == crossing and within >= sum(size for _, size, _ in gathers)

@@ -3,6 +3,7 @@ their real world sizes: trn2-8b, 64 ranks as FSDP2 over 16 x tensor parallel ove
 as FSDP2 over 64 x tensor parallel over 4. The mesh is the one the preset's strategy builds, on the meta device over
 torch's fake process group (one process, no memory; two decoder layers, since every layer gets the same plan). Its
 numerics are proven elsewhere: tests/standin/test_recipe_llm_native.py trains tensor parallel exactly like one device.
+`model.replicate_size` (HSDP) is checked the same way on 2 nodes of 2 ranks, with its refusals.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from lightning.fabric.strategies.model_parallel import _setup_device_mesh
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_trn.core.model_parallel import build_device_mesh, mesh_sizes
 from lightning_trn.recipes import cli, llm
 from tests.standin.fake_group import fake_process_group
 
@@ -78,3 +80,68 @@ def test_trn2_preset_makes_every_parameter_a_dtensor_on_one_mesh(
         resharded = [unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for unit in units[1:]]
         assert resharded == [True] * (len(units) - 2) + [False]
         assert [layer.gradient_checkpointing for layer in module.net.model.layers] == [checkpointed] * 2
+
+
+#: a tiny model on 2 nodes of 2 ranks under `trainer.strategy=model_parallel`
+HSDP_JOB = (
+    "trainer.devices=2",
+    "trainer.num_nodes=2",
+    "trainer.strategy=model_parallel",
+    "trainer.precision=bf16-mixed",
+    "model.num_layers=2",
+)
+
+
+def test_replicate_size_makes_the_recipe_hsdp() -> None:
+    """`model.replicate_size=2` on 2 nodes of 2: the plugin's strategy with 2 replicas of 2-way FSDP2, and after
+    `configure_model` every parameter is a DTensor on the (replicate, data_parallel) mesh, replicated over the
+    first dimension and sharded (dim 0) over the second: HSDP, as `fully_shard(mesh=mesh["replicate",
+    "data_parallel"])` makes it."""
+    from lightning_trn import NeuronModelParallelStrategy
+
+    cfg = cli.load_config(llm.RECIPE, [*HSDP_JOB, "model.replicate_size=2"])
+    strategy = llm.trainer_args(cfg)["strategy"]
+    assert isinstance(strategy, NeuronModelParallelStrategy)
+    sizes = (strategy._replicate_size, strategy._data_parallel_size, strategy._tensor_parallel_size)
+    assert sizes == (2, 2, 1)
+    module = llm.build_model(cfg)
+    with fake_process_group(4):
+        mesh = build_device_mesh(mesh_sizes(2, 2, *sizes[1:], replicate=2), "cpu")  # as the strategy's setup does
+        module._device_mesh = mesh
+        module._trainer = SimpleNamespace(strategy=SimpleNamespace(), precision=cfg.trainer.precision)
+        module.configure_model()
+        params = dict(module.net.named_parameters())
+        hsdp = mesh["replicate", "data_parallel"]
+        assert hsdp.mesh_dim_names == ("replicate", "data_parallel") and hsdp.size() == 4
+        assert all(isinstance(p, DTensor) and p.device_mesh == hsdp for p in params.values())
+        assert {p.placements for p in params.values()} == {(Replicate(), Shard(0))}
+        # one rank holds half of each parameter (2-way FSDP2 within its replica), not a quarter
+        embedding = params["model.embed_tokens.weight"]
+        assert embedding.to_local().shape[0] == embedding.shape[0] // 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ("model.replicate_size=0",),
+            "Config key model.replicate_size=0: expected a value greater than 0 (default 1).",
+        ),
+        (
+            ("model.replicate_size=3",),
+            "needs trainer.devices (an integer; here 2) x num_nodes divisible by model.tensor_parallel_size=1 x "
+            "model.replicate_size=3.",
+        ),
+        (
+            ("model.replicate_size=2", "trainer.strategy=fsdp"),
+            "model.replicate_size=2 needs trainer.strategy=model_parallel (here 'fsdp').",
+        ),
+    ],
+)
+def test_replicate_size_is_refused_in_one_line(overrides: tuple[str, ...], expected: str) -> None:
+    """A replica count below 1, one that does not divide the world (with the tensor-parallel size), or one without
+    the model-parallel strategy: one line naming the key, as the recipe's other keys are refused."""
+    with pytest.raises(ValueError) as refused:
+        llm.trainer_args(cli.load_config(llm.RECIPE, [*HSDP_JOB, *overrides]))
+    message = str(refused.value)
+    assert expected in message and "\n" not in message, message

@@ -163,23 +163,35 @@ def allow_block_graphs(cfg: DictConfig) -> None:
 
 def trainer_args(cfg: DictConfig) -> dict[str, Any]:
     """`trainer.strategy=model_parallel`: Lightning's `ModelParallelStrategy` with `model.tensor_parallel_size`
-    devices per tensor-parallel group and the rest FSDP2 (native backend); `fsdp`: Lightning's `FSDPStrategy`
-    sharding each decoder layer, writing sharded checkpoints as `strategy="fsdp"` does; `neuron_zero1` with
-    `zero1_state_dict_type=sharded`: ZeRO-1 writing sharded checkpoints. Other strategies go to the Trainer as they
-    are."""
-    strategy, tp = cfg.trainer.get("strategy", "auto"), cfg.model.tensor_parallel_size
+    devices per tensor-parallel group and the rest FSDP2 (native backend); with `model.replicate_size` > 1 the
+    plugin's `NeuronModelParallelStrategy` (Lightning's has no replicate dimension): HSDP, that many replicas with
+    FSDP2 within each; `fsdp`: Lightning's `FSDPStrategy` sharding each decoder layer, writing sharded checkpoints
+    as `strategy="fsdp"` does; `neuron_zero1` with `zero1_state_dict_type=sharded`: ZeRO-1 writing sharded
+    checkpoints. Other strategies go to the Trainer as they are."""
+    strategy = cfg.trainer.get("strategy", "auto")
+    tp, replicas = cfg.model.tensor_parallel_size, cfg.model.replicate_size
     if strategy in _MODEL_PARALLEL:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-        if not isinstance(devices, int) or (devices * nodes) % tp:
+        if not isinstance(devices, int) or (devices * nodes) % (tp * replicas):
             raise ValueError(
                 f"trainer.strategy={strategy} needs trainer.devices (an integer; here {devices!r}) x "
-                f"num_nodes divisible by model.tensor_parallel_size={tp}."
+                f"num_nodes divisible by model.tensor_parallel_size={tp} x model.replicate_size={replicas}."
             )
-        return {"strategy": ModelParallelStrategy(data_parallel_size=devices * nodes // tp, tensor_parallel_size=tp)}
-    if tp != 1:
-        raise ValueError(f"model.tensor_parallel_size={tp} needs trainer.strategy=model_parallel (here {strategy!r}).")
+        data = devices * nodes // (tp * replicas)
+        if replicas == 1:
+            return {"strategy": ModelParallelStrategy(data_parallel_size=data, tensor_parallel_size=tp)}
+        from lightning_trn import NeuronModelParallelStrategy
+
+        return {
+            "strategy": NeuronModelParallelStrategy(
+                data_parallel_size=data, tensor_parallel_size=tp, replicate_size=replicas
+            )
+        }
+    for key, size in (("tensor_parallel_size", tp), ("replicate_size", replicas)):
+        if size != 1:
+            raise ValueError(f"model.{key}={size} needs trainer.strategy=model_parallel (here {strategy!r}).")
     if strategy == "neuron_zero1" and cfg.zero1_state_dict_type == "sharded":
         from lightning_trn import NeuronDDPStrategy
 

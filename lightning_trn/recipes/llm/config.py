@@ -63,8 +63,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "model.warmup_steps=200",
     ),
     # ~70.6 B (Llama-3-70B's shape and vocabulary) on 4 trn2.48xlarge: 256 logical NeuronCores of 24 GB, native
-    # backend, FSDP2 over all 64 x tensor parallel over 4 (one chip) + activation checkpointing. Not HSDP: sharded
-    # over one node's 16 only, the state alone would be 16 GiB per core.
+    # backend, FSDP2 over all 64 x tensor parallel over 4 (one chip) + activation checkpointing: 11.53 GiB needed per
+    # core. Not HSDP across the nodes (`model.replicate_size=4`, re-planned with the estimator, docs/recipes.md): it
+    # keeps all but the gradients' all-reduce within a node but needs 21.87 GiB, over the 10 % headroom (21.6 GiB).
     "trn2-70b": (
         "trainer.devices=64",
         "trainer.num_nodes=4",
@@ -167,6 +168,12 @@ class LlmModel:
     )
     tensor_parallel_size: int = doc(
         "with trainer.strategy=model_parallel: devices per tensor-parallel group, the rest FSDP2; 1 elsewhere", POSITIVE
+    )
+    replicate_size: int = doc(
+        "with trainer.strategy=model_parallel: HSDP replicas (e.g. trainer.num_nodes), each holding the whole model;"
+        " FSDP2 shards within a replica and gradients are reduced over all of them (devices x num_nodes must be a"
+        " multiple of replicate_size x tensor_parallel_size); 1: plain FSDP2 over every data-parallel rank",
+        POSITIVE,
     )
     lr: float = doc("AdamW peak learning rate", POSITIVE)
     weight_decay: float = doc("AdamW weight decay of the matrices (none on norms and other vectors)", NON_NEGATIVE)

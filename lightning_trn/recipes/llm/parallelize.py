@@ -21,10 +21,11 @@ def parallelize(
 ) -> LlamaForCausalLM:
     """TorchTitan's `parallelize_llama` for the Hugging Face model, one visible step after another: tensor parallel
     over the mesh's `tensor_parallel` dimension, then activation checkpointing, then (`compiled`) `torch.compile` per
-    decoder layer, then FSDP2 over `data_parallel` (TorchTitan's units: `apply_fsdp`). Afterwards every parameter is
-    a DTensor on one mesh, so AdamW takes its default `foreach` path. `param_dtype`: FSDP2's compute dtype (bf16
-    under bf16 precision; gradients are still reduced in fp32)."""
-    tp, dp = device_mesh["tensor_parallel"], device_mesh["data_parallel"]
+    decoder layer, then FSDP2 over `data_parallel` (TorchTitan's units: `apply_fsdp`), HSDP over `("replicate",
+    "data_parallel")` where the mesh has replicas (`NeuronModelParallelStrategy(replicate_size=...)`). Afterwards
+    every parameter is a DTensor on one mesh, so AdamW takes its default `foreach` path. `param_dtype`: FSDP2's
+    compute dtype (bf16 under bf16 precision; gradients are still reduced in fp32)."""
+    tp, dp = device_mesh["tensor_parallel"], device_mesh[data_parallel_dims(device_mesh)]
     if tp.size() > 1:
         apply_tp(net, tp)
     if activation_checkpointing:
@@ -34,6 +35,15 @@ def parallelize(
     if dp.size() > 1:
         apply_fsdp(net, dp, param_dtype)
     return net
+
+
+def data_parallel_dims(device_mesh: Any) -> tuple[str, ...]:
+    """The mesh dimensions FSDP2 spans: `data_parallel`, with `replicate` before it where the mesh has replicas
+    (a 2-D mesh makes `fully_shard` HSDP: parameters replicated over the first dimension, sharded over the second,
+    gradients reduce-scattered within a replica and all-reduced across replicas)."""
+    if "replicate" in (device_mesh.mesh_dim_names or ()):
+        return ("replicate", "data_parallel")
+    return ("data_parallel",)
 
 
 def apply_tp(net: LlamaForCausalLM, tp_mesh: Any) -> None:
@@ -124,7 +134,8 @@ def apply_compile(net: LlamaForCausalLM) -> None:
 
 def apply_fsdp(net: LlamaForCausalLM, dp_mesh: Any, param_dtype: torch.dtype | None = None) -> None:
     """TorchTitan's FSDP2 units: the embedding, each decoder layer, the final norm with the output projection, then
-    the root; with `param_dtype`, TorchTitan's `MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`.
+    the root; with `param_dtype`, TorchTitan's `MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`. `dp_mesh`:
+    the data-parallel dimension (FSDP2), or the (replicate, data-parallel) pair (HSDP, `data_parallel_dims`).
 
     The embedding is its own unit so that its gathered weight is freed after the forward (left in the root, it stays
     gathered from the forward to the end of the backward: 0.5 GiB per rank at 70 B); the norm and output projection
