@@ -1,5 +1,5 @@
 """How long a sharded checkpoint save stops training, synchronous against asynchronous
-(`NeuronCheckpointIO(async_save=True)`, `lightning_trn.core.async_save`).
+(`NeuronCheckpointIO(async_save=True)`, `lightning_trn.core.checkpoint.async_save`).
 
 `LIGHTNING_TRN_STANDIN=1 .venv-native/bin/python -m benchmarks.async_save [--hidden 2048] [--layers 2] [--ranks 2]
 [--batch 1] [--write-delay 12] [--every 40] [--saves 2]`
@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+    from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """What one sharded checkpoint save costs the filesystem, by world size: its fsyncs and its metadata operations
-(rename, `renameat2` exchange, mkdir, unlink, rmdir), for the protocol of `lightning_trn.core.sharded_save` with the
-writers of both sharded formats.
+(rename, `renameat2` exchange, mkdir, unlink, rmdir), for the protocol of `lightning_trn.core.checkpoint.sharded_save`
+with the writers of both sharded formats.
 
 `python -m benchmarks.checkpoint_syscalls [--world-sizes 2 4 8 64 256]`
 
@@ -48,10 +48,10 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 if __package__ in (None, ""):  # `python benchmarks/checkpoint_syscalls.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_trn.core import sharded_save
-from lightning_trn.core.checkpoint_file import atomic_local_save, fsync_directory
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.core.zero1 import SHARDED_MAIN_FILE, chunk_file
+from lightning_trn.core.checkpoint import sharded_save
+from lightning_trn.core.checkpoint.checkpoint_file import atomic_local_save, fsync_directory
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.parallel.zero1 import SHARDED_MAIN_FILE, chunk_file
 
 FORMATS = ("zero1", "dcp")
 OPERATIONS = ("fsync", "rename", "exchange", "mkdir", "unlink", "rmdir")

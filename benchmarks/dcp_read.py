@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 if __package__ in (None, ""):  # `python benchmarks/dcp_read.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_trn.core.distributed_checkpoint import (
+from lightning_trn.core.checkpoint.distributed_checkpoint import (
     METADATA_FILE,
     DistributedCheckpointReader,
     load_consolidated,

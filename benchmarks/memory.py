@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks._harness import format_table, wait_for_device
 from lightning_trn import NeuronPrecision
-from lightning_trn.core.zero1 import local_bytes, optimizer_state_bytes
+from lightning_trn.core.parallel.zero1 import local_bytes, optimizer_state_bytes
 from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from lightning_trn.runtime import get_runtime
 

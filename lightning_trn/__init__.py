@@ -11,9 +11,9 @@ if _os.environ.get("LIGHTNING_TRN_STANDIN", "").strip().lower() in ("1", "true",
     import lightning_trn.standin  # noqa: F401
 
 from lightning_trn.accelerator import NeuronAccelerator
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.core.pipeline import Pipeline, pipeline_split
-from lightning_trn.core.pretrained import load_pretrained, meta_model_from_pretrained
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.pretrained import load_pretrained, meta_model_from_pretrained
+from lightning_trn.core.parallel.pipeline import Pipeline, pipeline_split
 from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags, NeuronHealthCheck
 from lightning_trn.pytorch.precision import NeuronPrecision
 from lightning_trn.pytorch.strategies import NeuronDDPStrategy, NeuronModelParallelStrategy, SingleDeviceNeuronStrategy

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.core.distributed_checkpoint import (
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.distributed_checkpoint import (
     DistributedCheckpointReader,
     is_distributed_checkpoint,
     model_tensors,
     write_consolidated,
     write_safetensors,
 )
-from lightning_trn.core.zero1 import SHARDED_MAIN_FILE
+from lightning_trn.core.parallel.zero1 import SHARDED_MAIN_FILE
 
 _NOT_SHARDED = (
     "{!r} is not a sharded checkpoint directory: it has neither .metadata (a torch.distributed.checkpoint directory) "

@@ -32,8 +32,8 @@ from lightning.pytorch.trainer.connectors.accelerator_connector import _Accelera
 
 from lightning_trn import fabric
 from lightning_trn.accelerator import NeuronAccelerator
-from lightning_trn.core.fsdp import lightning_fsdp_arguments
-from lightning_trn.core.model_parallel import lightning_model_parallel_arguments
+from lightning_trn.core.parallel.fsdp import lightning_fsdp_arguments
+from lightning_trn.core.parallel.model_parallel import lightning_model_parallel_arguments
 from lightning_trn.core.precision import check_precision
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks.registry import TESTED_LIGHTNING, lightning_version_tested

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 
 #: a 32-wide LLM on 32-token blocks, 6 steps: seconds of training, most of a run is imports (and compiling, on XLA)
 TINY_LLM = (

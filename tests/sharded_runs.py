@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from lightning_trn.core import sharded_save
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint import sharded_save
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 from tests.launch import child_env, free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_save_train.py"

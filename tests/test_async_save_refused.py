@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_trn import NeuronDDPStrategy
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 from tests.models import RegressionModel, regression_loader
 
 pytestmark = pytest.mark.both

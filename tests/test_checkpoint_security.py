@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 from models import RegressionModel
 
 import lightning_trn  # noqa: F401  (registers accelerator="neuron")
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 
 pytestmark = pytest.mark.xla_only
 

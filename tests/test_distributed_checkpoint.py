@@ -1,5 +1,5 @@
-"""Reading torch.distributed.checkpoint directories on the host (`lightning_trn.core.distributed_checkpoint`) at the
-scale of a 64-rank save: `.metadata` parsed once per directory, tensor entries read in batches of bounded size.
+"""Reading torch.distributed.checkpoint directories on the host (`lightning_trn.core.checkpoint.distributed_checkpoint`)
+at the scale of a 64-rank save: `.metadata` parsed once per directory, tensor entries read in batches of bounded size.
 
 The checkpoints are those of `benchmarks/dcp_read.py`: Llama-3-8B's parameter names and AdamW state in an FSDP2
 save's layout (every sharded entry in one chunk per rank), with DCP's own metadata, sizes divided by 64. Every chunk
@@ -24,9 +24,9 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-import lightning_trn.core.distributed_checkpoint as dc
+import lightning_trn.core.checkpoint.distributed_checkpoint as dc
 from benchmarks.dcp_read import llama_shapes, write_fsdp_checkpoint
-from lightning_trn.core.distributed_checkpoint import (
+from lightning_trn.core.checkpoint.distributed_checkpoint import (
     METADATA_FILE,
     DistributedCheckpointReader,
     load_consolidated,

@@ -23,16 +23,16 @@ import torch
 from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_trn.core.checkpoint_file import LOADER_STATES_KEY
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
-from lightning_trn.core.random_state import (
+from lightning_trn.core.checkpoint.checkpoint_file import LOADER_STATES_KEY
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.random_state import (
     RANDOM_STATE_KEY,
     host_states,
     loader_generators,
     set_host_states,
     step_seed,
 )
+from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
 from tests.launch import child_env
 from tests.models import AugmentedDataset
 

@@ -148,7 +148,7 @@ def test_graph_reader_sees_every_kind_of_import():
     tree = ast.parse(
         "import os\n"
         "from typing import TYPE_CHECKING\n"
-        "from lightning_trn.core import checkpoint_io\n"
+        "from lightning_trn.core.checkpoint import checkpoint_io\n"
         "from . import xla\n"
         "from .collectives import Collectives\n"
         "if TYPE_CHECKING:\n"
@@ -160,7 +160,7 @@ def test_graph_reader_sees_every_kind_of_import():
     )
     targets = set().union(*(_targets("lightning_trn.runtime.xla_import", node) for node in _import_nodes(tree)))
     assert targets == {
-        "lightning_trn.core.checkpoint_io",
+        "lightning_trn.core.checkpoint.checkpoint_io",
         "lightning_trn.runtime.xla",
         "lightning_trn.runtime.collectives",
         "lightning_trn.fabric.precision",
@@ -173,7 +173,9 @@ def test_graph_reader_sees_every_kind_of_import():
 
 def test_no_import_cycle():
     graph = import_graph()
-    assert graph["lightning_trn.core.checkpoint_io"] >= {"lightning_trn.core.distributed_checkpoint"}
+    assert graph["lightning_trn.core.checkpoint.checkpoint_io"] >= {
+        "lightning_trn.core.checkpoint.distributed_checkpoint"
+    }
     cycles = all_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 

@@ -15,7 +15,7 @@ from models import RegressionModel
 
 import lightning_trn
 from lightning_trn import NeuronPrecision
-from lightning_trn.core.zero1 import Zero1Sharding
+from lightning_trn.core.parallel.zero1 import Zero1Sharding
 from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags
 from lightning_trn.pytorch.strategies.ddp import NeuronDDPStrategy
 from lightning_trn.runtime import BACKEND_ENV, discovery, selection

@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 
 import lightning_trn
 from lightning_trn import consolidate
-from lightning_trn.core.pretrained import check_local_folder
+from lightning_trn.core.checkpoint.pretrained import check_local_folder
 from lightning_trn.recipes import cli, common, llm
 from lightning_trn.recipes.tensor_datamodule import evaluation_multiple
 from lightning_trn.runtime import get_runtime

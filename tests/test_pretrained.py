@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_trn import load_pretrained, meta_model_from_pretrained
-from lightning_trn.core.model_parallel import materialize
+from lightning_trn.core.parallel.model_parallel import materialize
 from lightning_trn.runtime import get_runtime
 
 pytestmark = pytest.mark.xla_only

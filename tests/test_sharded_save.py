@@ -1,6 +1,6 @@
-"""Atomic sharded checkpoints (`lightning_trn.core.sharded_save`): the protocol's states in process, and 2-rank ZeRO-1
-jobs with sharded checkpoints (`NeuronDDPStrategy(zero1=True, state_dict_type="sharded")`) killed with SIGKILL inside
-a save. Both suites run it (tests/standin/test_sharded_save_dcp.py kills DCP saves on the stand-in)."""
+"""Atomic sharded checkpoints (`lightning_trn.core.checkpoint.sharded_save`): the protocol's states in process, and
+2-rank ZeRO-1 jobs with sharded checkpoints (`NeuronDDPStrategy(zero1=True, state_dict_type="sharded")`) killed with
+SIGKILL inside a save. Both suites run it (tests/standin/test_sharded_save_dcp.py kills DCP saves on the stand-in)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks import checkpoint_syscalls
 from benchmarks.checkpoint_syscalls import OPERATIONS, count_per_save, without_exchange
-from lightning_trn.core import sharded_save
-from lightning_trn.core.sharded_save import (
+from lightning_trn.core.checkpoint import sharded_save
+from lightning_trn.core.checkpoint.sharded_save import (
     recover,
     recover_all,
     recover_before_resume,
@@ -29,7 +29,7 @@ from lightning_trn.core.sharded_save import (
     staged_directory,
     staging_path,
 )
-from lightning_trn.core.zero1 import chunk_file
+from lightning_trn.core.parallel.zero1 import chunk_file
 from tests.models import RegressionModel, regression_loader
 from tests.sharded_runs import can_exchange, kill_inside_a_save, load, resume_to_the_end, run_job
 

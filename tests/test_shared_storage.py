@@ -1,5 +1,6 @@
-"""The probe that refuses a sharded checkpoint directory not every rank shares (`lightning_trn.core.shared_storage`),
-with ranks simulated by threads in this process: an all-gather over a thread barrier stands in for the host group.
+"""The probe that refuses a sharded checkpoint directory not every rank shares
+(`lightning_trn.core.checkpoint.shared_storage`), with ranks simulated by threads in this process: an all-gather over a
+thread barrier stands in for the host group.
 The same probe across two torchrun "nodes", one of them on its own tmpfs: tests/standin/test_sharded_save_dcp.py."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lightning_trn.core.shared_storage import (
+from lightning_trn.core.checkpoint.shared_storage import (
     PROBE_PREFIX,
     RankProbe,
     SharedDirectoryReport,
@@ -126,7 +127,9 @@ class _Strategy:
     def _saves_sharded(self) -> bool:
         return self.sharded
 
-    def _writes_dcp_directories(self) -> bool:  # DCP directories: `s3://` is allowed (lightning_trn.core.s3_checkpoint)
+    def _writes_dcp_directories(
+        self,
+    ) -> bool:  # DCP directories: `s3://` is allowed (lightning_trn.core.checkpoint.s3_checkpoint)
         return True
 
     def _async_checkpointer(self) -> None:

@@ -23,9 +23,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_trn import consolidate
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.parallel.zero1 import (
+    MASTER_WEIGHT,
+    Zero1Sharding,
+    optimizer_state,
+    optimizer_state_bytes,
+    sharding_of,
+)
 from lightning_trn.core.stochastic_rounding import stochastic_round_to_bf16
-from lightning_trn.core.zero1 import MASTER_WEIGHT, Zero1Sharding, optimizer_state, optimizer_state_bytes, sharding_of
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.host_collectives import HostCollectives
 from tests.launch import child_env
@@ -448,7 +454,7 @@ def test_other_optimizers_are_refused_with_the_opt_in_named(make) -> None:  # ty
 
 
 def test_an_optimizer_registered_as_element_wise_is_sharded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_trn.core import zero1
+    from lightning_trn.core.parallel import zero1
 
     monkeypatch.setattr(zero1, "_ALLOWED", set())
     element_wise = type("SignSGD", (_PerTensorNorm,), {})

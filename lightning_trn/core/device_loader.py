@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import RandomSampler
 
-from lightning_trn.core.random_state import (
+from lightning_trn.core.checkpoint.random_state import (
     generator_states,
     host_states,
     loader_generators,
@@ -60,8 +60,8 @@ class DevicePrefetchLoader:
     strategy can recognise a batch that is already on the device without walking its tensors. `before_batch`, when
     given, is called before each batch is handed out (Fabric's strategies cut the graph there).
 
-    Random state (`lightning_trn.core.random_state`): when an epoch's iteration starts, the loader notes the host
-    generators' and its own generators' states, so that a checkpoint taken mid-epoch can hold the states the epoch
+    Random state (`lightning_trn.core.checkpoint.random_state`): when an epoch's iteration starts, the loader notes the
+    host generators' and its own generators' states, so that a checkpoint taken mid-epoch can hold the states the epoch
     started from (`random_state`): a resumed run restores them (`restore_random_state`) and draws the same order, the
     same worker seeds and the same augmentation for the batches it skips and for the rest of the epoch.
     """

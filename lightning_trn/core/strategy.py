@@ -21,12 +21,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core import s3_checkpoint
-from lightning_trn.core.async_save import AsyncCheckpointer
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
-from lightning_trn.core.process_group import OneProcess, ProcessGroup
-from lightning_trn.core.random_state import (
+from lightning_trn.core.checkpoint import s3_checkpoint
+from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.random_state import (
     RANDOM_STATE_VERSION,
     base_device_seed,
     host_states,
@@ -35,9 +33,11 @@ from lightning_trn.core.random_state import (
     set_host_states,
     step_seed,
 )
+from lightning_trn.core.checkpoint.sharded_save import staged_directory
+from lightning_trn.core.checkpoint.shared_storage import check_shared_directory
+from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
+from lightning_trn.core.parallel.process_group import OneProcess, ProcessGroup
 from lightning_trn.core.scalars import place_scalars
-from lightning_trn.core.sharded_save import staged_directory
-from lightning_trn.core.shared_storage import check_shared_directory
 from lightning_trn.runtime import DeviceRuntime, get_runtime
 from lightning_trn.runtime.collectives import Collectives
 
@@ -351,7 +351,8 @@ class NeuronStrategyCore(_LightningStrategy):
             self.runtime.manual_seed(self._device_seed)
 
     def _seed_batch(self, batch_index: int) -> None:
-        """Seed the device RNG for training batch `batch_index` of the run (`lightning_trn.core.random_state`)."""
+        """Seed the device RNG for training batch `batch_index` of the run
+        (`lightning_trn.core.checkpoint.random_state`)."""
         self.runtime.manual_seed(step_seed(self._device_seed, batch_index))
 
     def _neuron_precision(self) -> Any:
@@ -368,8 +369,9 @@ class NeuronStrategyCore(_LightningStrategy):
         return False
 
     def _check_shared_directory(self, directory: Any) -> None:
-        """Refuse a sharded checkpoint directory that not every rank shares (`lightning_trn.core.shared_storage`):
-        probed once per directory, on every rank together, when several ranks write sharded checkpoints into it."""
+        """Refuse a sharded checkpoint directory that not every rank shares
+        (`lightning_trn.core.checkpoint.shared_storage`): probed once per directory, on every rank together, when
+        several ranks write sharded checkpoints into it."""
         directory = os.fspath(directory)
         if self._saves_sharded() and "://" in directory:  # S3 takes DCP directories only (`s3_checkpoint.refusal`)
             reason = s3_checkpoint.refusal(
@@ -386,9 +388,9 @@ class NeuronStrategyCore(_LightningStrategy):
 
     def _save_destination(self, path: Any) -> AbstractContextManager[Any]:
         """Where this rank saves a checkpoint for `path`: `path` itself; for a sharded checkpoint a staging directory
-        that replaces `path` atomically once every rank is done (`lightning_trn.core.sharded_save`), in a directory
-        every rank was found to share; for one in S3, a local directory whose files become a new version there, made
-        the checkpoint by a commit object (`lightning_trn.core.s3_checkpoint`)."""
+        that replaces `path` atomically once every rank is done (`lightning_trn.core.checkpoint.sharded_save`), in a
+        directory every rank was found to share; for one in S3, a local directory whose files become a new version
+        there, made the checkpoint by a commit object (`lightning_trn.core.checkpoint.s3_checkpoint`)."""
         if self._saves_sharded():
             self._check_shared_directory(os.path.dirname(os.fspath(path)))
             if s3_checkpoint.is_s3(path):
@@ -404,7 +406,7 @@ class NeuronStrategyCore(_LightningStrategy):
 
     def _load_source(self, path: Any) -> AbstractContextManager[Any]:
         """What Lightning's load of `path` reads (every rank): `path` itself; for a sharded checkpoint in S3, a local
-        directory whose DCP reads go to the committed version (`lightning_trn.core.s3_checkpoint`)."""
+        directory whose DCP reads go to the committed version (`lightning_trn.core.checkpoint.s3_checkpoint`)."""
         if s3_checkpoint.is_s3(path) and self._writes_dcp_directories():
             return s3_checkpoint.committed_source(os.fspath(path), self.barrier)
         return nullcontext(path)

@@ -9,7 +9,7 @@ import lightning
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_trn.core.zero1 import optimizer_state
+from lightning_trn.core.parallel.zero1 import optimizer_state
 
 
 def trainer_checkpoint(

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import _sharding_prop, _utils
 from torchmetrics import Metric
 
-from lightning_trn.core import dtensor_random
+from lightning_trn.core.parallel import dtensor_random
 from lightning_trn.hooks import (
     activation_checkpointing,
     host_copies,
@@ -98,8 +98,8 @@ CHECKPOINT_HOOKS: tuple[Hook, ...] = (
     Hook(torch.utils.checkpoint, "CheckpointFunction", activation_checkpointing.fenced_reentrant),
 )
 
-#: torch's tracker of random ops on DTensors: the `neuron` device's rule (`lightning_trn.core.dtensor_random`), so a
-#: model initialised after parallelization draws independent values on every shard
+#: torch's tracker of random ops on DTensors: the `neuron` device's rule (`lightning_trn.core.parallel.dtensor_random`),
+#: so a model initialised after parallelization draws independent values on every shard
 DTENSOR_RANDOM_HOOKS: tuple[Hook, ...] = (
     Hook(torch.distributed.tensor._random, "_rng_tracker", dtensor_random.tracker_for_neuron_run),
 )

@@ -1,6 +1,6 @@
 """A Trainer resume puts back the checkpoint an interrupted sharded save left aside before Lightning chooses one.
 
-A two-rename commit (`lightning_trn.core.sharded_save`; NFS, Lustre) killed between its renames leaves no
+A two-rename commit (`lightning_trn.core.checkpoint.sharded_save`; NFS, Lustre) killed between its renames leaves no
 `last.ckpt`, the previous complete checkpoint as `.last.ckpt.old`: `ckpt_path="last"` would not see it and start from
 scratch, an explicit `ckpt_path=".../last.ckpt"` would not find it. The Trainer resolves `ckpt_path` ("last": the
 newest `last*.ckpt` of every `ModelCheckpoint`'s directory; "hpc": SLURM's `hpc_ckpt_<n>.ckpt` in
@@ -12,8 +12,8 @@ until nothing there is left aside (`sharded_save.recover_before_resume`); every 
 unchanged. Fabric has no such resolution: its Neuron strategies recover the directory of the path `fabric.load` gets.
 
 `ckpt_path="last"` with `s3://` checkpoint directories: the newest `last*.ckpt` there that has a commit object
-(`lightning_trn.core.s3_checkpoint`), when there is one; in a run whose checkpoint directories are both local and in
-S3, the S3 one is taken first.
+(`lightning_trn.core.checkpoint.s3_checkpoint`), when there is one; in a run whose checkpoint directories are both local
+and in S3, the S3 one is taken first.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_registry import _is_registry
 
-from lightning_trn.core import s3_checkpoint
-from lightning_trn.core.sharded_save import recover_before_resume
+from lightning_trn.core.checkpoint import s3_checkpoint
+from lightning_trn.core.checkpoint.sharded_save import recover_before_resume
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks.registry import lightning_version_tested
 
@@ -74,9 +74,9 @@ def checkpoint_directories(trainer: Any, ckpt_path: Any) -> list[str]:
 
 
 def _newest_last_in_s3(directories: list[str]) -> str | None:
-    """The newest committed `last*.ckpt` of the `s3://` directories (`lightning_trn.core.s3_checkpoint`), or None.
-    Lightning's own "last" lists a directory through fsspec, whose S3 names lack the `s3://` (so it never finds one),
-    and would count a checkpoint whose save was killed before its commit object."""
+    """The newest committed `last*.ckpt` of the `s3://` directories (`lightning_trn.core.checkpoint.s3_checkpoint`), or
+    None. Lightning's own "last" lists a directory through fsspec, whose S3 names lack the `s3://` (so it never finds
+    one), and would count a checkpoint whose save was killed before its commit object."""
     remote = [directory for directory in directories if s3_checkpoint.is_s3(directory)]
     return s3_checkpoint.newest_committed(remote) if remote else None
 

@@ -1,7 +1,7 @@
 """Lightning's model-parallel strategies read and write torch.distributed.checkpoint (DCP) directories through two
 module functions, `_distributed_checkpoint_save(state, path)` and `_distributed_checkpoint_load(state, path)`, which
 let torch pick a filesystem reader or writer for the local `path`. Replaced here: a call for a directory that
-`lightning_trn.core.s3_checkpoint` redirects (the local shadow of an `s3://` checkpoint) goes to AWS's
+`lightning_trn.core.checkpoint.s3_checkpoint` redirects (the local shadow of an `s3://` checkpoint) goes to AWS's
 s3torchconnector reader or writer of that checkpoint's S3 version; every other call runs Lightning's function. The
 Trainer's Neuron runs hold these hooks with the others (`registry.HOOKS`); Fabric's model-parallel strategy from
 `setup_module` on, as its DTensor rule."""
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_trn.core import s3_checkpoint
+from lightning_trn.core.checkpoint import s3_checkpoint
 
 
 def _redirecting(

@@ -12,9 +12,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.gradients import clip_grad_norm_
+from lightning_trn.core.parallel.gradients import clip_grad_norm_
+from lightning_trn.core.parallel.zero1 import sharding_of
 from lightning_trn.core.precision import NeuronPrecisionCore
-from lightning_trn.core.zero1 import sharding_of
 
 
 class NeuronPrecision(NeuronPrecisionCore, Precision):
@@ -54,7 +54,7 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip by the norm of all gradients together: ZeRO-1 over all ranks' chunks, DTensor gradients (FSDP2, tensor
-        parallel) whatever their meshes (`lightning_trn.core.gradients`)."""
+        parallel) whatever their meshes (`lightning_trn.core.parallel.gradients`)."""
         sharding = sharding_of(optimizer)
         if sharding is None:
             clip_grad_norm_(self.main_params(optimizer), clip_val, group=self.gradient_norm_group)

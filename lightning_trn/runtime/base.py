@@ -95,8 +95,8 @@ class DeviceRuntime(ABC):
     #: whether models can be sharded with torch's DTensor, FSDP2 and tensor parallelism on this backend's devices
     shards_models: bool = False
     #: whether this backend's process groups have `send`/`recv` (pipeline stages then use them; else broadcasts in
-    #: 2-rank groups, `lightning_trn.core.stage_transport`). TorchNeuron's are not confirmed: its source snapshot
-    #: has none, its docs do not say
+    #: 2-rank groups, `lightning_trn.core.parallel.stage_transport`). TorchNeuron's are not confirmed: its source
+    #: snapshot has none, its docs do not say
     point_to_point: bool = False
     #: whether the Neuron runtime under this backend rounds bf16 results stochastically when
     #: `NEURON_RT_STOCHASTIC_ROUNDING_EN=1` (documented for the XLA stack; TorchNeuron's docs and source name no switch)

@@ -17,7 +17,7 @@ import torch
 from lightning.fabric import Fabric
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 
 
 def step(fabric: Fabric, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -26,9 +26,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.utils.data import DataLoader
 
-from lightning_trn.core import sharded_save
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.core.distributed_checkpoint import DistributedCheckpointReader
+from lightning_trn.core.checkpoint import sharded_save
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.distributed_checkpoint import DistributedCheckpointReader
 from tests.scripts.sharded_save_train import BATCH, SEED, STEPS, Net, _kill_job, _rank, dataset
 
 #: how long rank 0 waits inside the killed write before the kill: the training thread goes on meanwhile

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 
 NUMEL = 4 * 1024 * 1024  # float64: 32 MB
 

@@ -98,7 +98,7 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def optimizer_and_schedule(module: nn.Module) -> tuple[torch.optim.Optimizer, object]:
     # foreach=False: with tensor parallel only, norms stay plain tensors beside DTensors, which the foreach kernels
-    # cannot mix (on GPUs as well); clipping mixes them (lightning_trn.core.gradients)
+    # cannot mix (on GPUs as well); clipping mixes them (lightning_trn.core.parallel.gradients)
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 

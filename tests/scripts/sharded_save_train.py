@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_trn
-from lightning_trn.core import data_parallel
+from lightning_trn.core.parallel import data_parallel
 
 SEED = 31
 FEATURES, HIDDEN, OUTPUTS = 16, 48, 4
@@ -104,7 +104,7 @@ def install_kill(save: int, rank: int, point: str) -> None:
         FileSystemWriter.write_data = wrap_write(FileSystemWriter.write_data)  # type: ignore[method-assign]
         data_parallel.atomic_local_save = wrap_write(data_parallel.atomic_local_save)  # type: ignore[assignment]
     elif point == "commit":
-        from lightning_trn.core import sharded_save
+        from lightning_trn.core.checkpoint import sharded_save
 
         exchange = sharded_save._exchange
 
@@ -116,7 +116,7 @@ def install_kill(save: int, rank: int, point: str) -> None:
 
         sharded_save._exchange = exchange_then_kill  # type: ignore[assignment]
     elif point == "renamed":
-        from lightning_trn.core import sharded_save
+        from lightning_trn.core.checkpoint import sharded_save
 
         rename = os.rename
 

@@ -32,8 +32,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO, atomic_local_save
-from lightning_trn.core.zero1 import SHARDED_MAIN_FILE, Zero1Sharding, chunk_file, optimizer_state, split_chunks
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO, atomic_local_save
+from lightning_trn.core.parallel.zero1 import (
+    SHARDED_MAIN_FILE,
+    Zero1Sharding,
+    chunk_file,
+    optimizer_state,
+    split_chunks,
+)
 from lightning_trn.runtime.host_collectives import HostCollectives
 
 #: parameter sizes as fractions of --numel (odd sizes: padded at 2 and 4 ranks)

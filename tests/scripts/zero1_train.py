@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_trn
-from lightning_trn.core.zero1 import optimizer_state_bytes
+from lightning_trn.core.parallel.zero1 import optimizer_state_bytes
 from lightning_trn.runtime import get_runtime
 
 SEED = 77

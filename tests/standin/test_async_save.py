@@ -1,4 +1,4 @@
-"""Asynchronous sharded saves (`NeuronCheckpointIO(async_save=True)`, `lightning_trn.core.async_save`).
+"""Asynchronous sharded saves (`NeuronCheckpointIO(async_save=True)`, `lightning_trn.core.checkpoint.async_save`).
 
 In-process, on the writer and the commit protocol (`staged_directory(..., defer=...)`, one process, no process
 group): the state is staged before `save` returns, the checkpoint changes only once the background write is done,
@@ -20,10 +20,10 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from lightning_trn.core.async_save import AsyncCheckpointer
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO
-from lightning_trn.core.distributed_checkpoint import load_consolidated
-from lightning_trn.core.sharded_save import remove, staged_directory, staging_path
+from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.distributed_checkpoint import load_consolidated
+from lightning_trn.core.checkpoint.sharded_save import remove, staged_directory, staging_path
 from tests.sharded_runs import _assert_equal, assert_checkpoints_match_reference, load, run_job
 
 pytestmark = pytest.mark.native_only

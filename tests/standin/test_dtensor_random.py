@@ -1,4 +1,4 @@
-"""Random ops on DTensors on the `neuron` device (`lightning_trn.core.dtensor_random`), on the stand-in.
+"""Random ops on DTensors on the `neuron` device (`lightning_trn.core.parallel.dtensor_random`), on the stand-in.
 
 `tests/standin/scripts/tp_init_weights_train.py` has the shape of Lightning's `examples/pytorch/tensor_parallel`:
 a Llama-like model parallelized in `configure_model` (TorchTitan's plan, FSDP2 over the data-parallel mesh), its
@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import _random as torch_random
 
-from lightning_trn.core import dtensor_random
+from lightning_trn.core.parallel import dtensor_random
 from tests.launch import child_env
 from tests.standin.fake_group import fake_process_group
 

@@ -1,4 +1,4 @@
-"""Gradient reductions of FSDP2 under `bf16-true` (`lightning_trn.core.fsdp.reduction_policy`): without a
+"""Gradient reductions of FSDP2 under `bf16-true` (`lightning_trn.core.parallel.fsdp.reduction_policy`): without a
 `mixed_precision` of the user's, `NeuronFSDPStrategy` reduce-scatters gradients in fp32, as TorchTitan does.
 
 The collective is observed in this process on a 2-rank CPU mesh over torch's fake process group (the dtype FSDP2
@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-from lightning_trn.core.fsdp import reduction_policy
+from lightning_trn.core.parallel.fsdp import reduction_policy
 from lightning_trn.pytorch import NeuronPrecision
 from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from tests.standin.fake_group import fake_process_group

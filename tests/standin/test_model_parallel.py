@@ -21,8 +21,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_trn import NeuronModelParallelStrategy
-from lightning_trn.core import distributed_checkpoint
-from lightning_trn.core.distributed_checkpoint import DistributedCheckpointReader, write_consolidated
+from lightning_trn.core.checkpoint import distributed_checkpoint
+from lightning_trn.core.checkpoint.distributed_checkpoint import DistributedCheckpointReader, write_consolidated
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronModelParallelStrategy
 from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
 from tests.launch import child_env

@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_trn.core import pipeline
-from lightning_trn.core.distributed_checkpoint import write_consolidated
-from lightning_trn.core.model_parallel import check_mesh_sizes, mesh_sizes
-from lightning_trn.core.stage_transport import ring_pairs
+from lightning_trn.core.checkpoint.distributed_checkpoint import write_consolidated
+from lightning_trn.core.parallel import pipeline
+from lightning_trn.core.parallel.model_parallel import check_mesh_sizes, mesh_sizes
+from lightning_trn.core.parallel.stage_transport import ring_pairs
 from tests.launch import child_env
 
 pytestmark = [pytest.mark.native_only, pytest.mark.slow]
@@ -201,7 +201,7 @@ def test_hsdp_mesh_refuses_a_module_sharded_over_the_data_parallel_dimension_alo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_trn.core.model_parallel import check_replicated_sharding
+    from lightning_trn.core.parallel.model_parallel import check_replicated_sharding
     from tests.standin.fake_group import fake_process_group
 
     with fake_process_group(4):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_trn.core.distributed_checkpoint import is_distributed_checkpoint, load_consolidated
+from lightning_trn.core.checkpoint.distributed_checkpoint import is_distributed_checkpoint, load_consolidated
 from lightning_trn.recipes import cli, llm
 from tests.standin.test_recipe_llm_pretrained_sharded import _train_losses
 from tests.test_recipe_llm_lora import LORA

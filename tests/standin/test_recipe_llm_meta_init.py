@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_trn.core.model_parallel import materialize
+from lightning_trn.core.parallel.model_parallel import materialize
 from lightning_trn.recipes import cli, llm
 from tests.launch import child_env
 

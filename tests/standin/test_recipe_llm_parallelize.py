@@ -16,7 +16,7 @@ from lightning.fabric.strategies.model_parallel import _setup_device_mesh
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_trn.core.model_parallel import build_device_mesh, mesh_sizes
+from lightning_trn.core.parallel.model_parallel import build_device_mesh, mesh_sizes
 from lightning_trn.recipes import cli, llm
 from tests.standin.fake_group import fake_process_group
 

@@ -1,4 +1,5 @@
-"""Sharded checkpoints in S3 (`lightning_trn.core.s3_checkpoint`) against a real S3 API, moto's server on 127.0.0.1.
+"""Sharded checkpoints in S3 (`lightning_trn.core.checkpoint.s3_checkpoint`) against a real S3 API, moto's server on
+127.0.0.1.
 
 In-process: the commit object makes a save visible, a failed save commits nothing and is deleted by the next sweep,
 "last" picks committed checkpoints only, a removal deletes the commit object first, a save the hooks did not send to
@@ -21,8 +22,8 @@ import torch
 from lightning.fabric.strategies import model_parallel as fabric_model_parallel
 
 import lightning_trn
-from lightning_trn.core import s3_checkpoint
-from lightning_trn.core.s3_checkpoint import COMMIT_OBJECT
+from lightning_trn.core.checkpoint import s3_checkpoint
+from lightning_trn.core.checkpoint.s3_checkpoint import COMMIT_OBJECT
 from lightning_trn.hooks.registry import S3_CHECKPOINT_HOOKS, installed
 from tests.s3_server import moto_s3
 from tests.sharded_runs import run_job

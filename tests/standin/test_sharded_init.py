@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_trn.core.model_parallel import local_block, materialize, write_seed_checkpoint
+from lightning_trn.core.parallel.model_parallel import local_block, materialize, write_seed_checkpoint
 from tests.launch import child_env
 from tests.standin.fake_group import fake_process_group
 from tests.standin.safetensors_reads import counting_reads

@@ -1,10 +1,10 @@
 """Atomic torch.distributed.checkpoint saves: a 2-rank FSDP job (`strategy="fsdp"` on the stand-in's `neuron`
 devices, DCP directories, `ModelCheckpoint(save_last=True, every_n_train_steps=1)`) killed with SIGKILL inside a
 save leaves only checkpoints that load and equal the uninterrupted run's at the step they claim, and resumes exactly.
-The protocol itself: `lightning_trn.core.sharded_save`, tested in tests/test_sharded_save.py with ZeRO-1.
+The protocol itself: `lightning_trn.core.checkpoint.sharded_save`, tested in tests/test_sharded_save.py with ZeRO-1.
 
 The same job on two "nodes" whose checkpoint directories are not one filesystem is refused before its first step
-(`lightning_trn.core.shared_storage`; the probe's logic: tests/test_shared_storage.py)."""
+(`lightning_trn.core.checkpoint.shared_storage`; the probe's logic: tests/test_shared_storage.py)."""
 
 from __future__ import annotations
 

@@ -29,10 +29,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_trn.core.checkpoint.random_state import RANDOM_STATE_KEY
+from lightning_trn.core.checkpoint.sharded_save import recover_before_resume
 from lightning_trn.core.device_loader import DevicePrefetchLoader
-from lightning_trn.core.gradients import clip_grad_norm_
-from lightning_trn.core.random_state import RANDOM_STATE_KEY
-from lightning_trn.core.sharded_save import recover_before_resume
+from lightning_trn.core.parallel.gradients import clip_grad_norm_
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.fabric.precision import NeuronPrecision
 from lightning_trn.hooks import registry as lightning_hooks
@@ -173,7 +173,7 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip by the norm of all gradients together, DTensor gradients (FSDP2, tensor parallel) whatever their
-        meshes (`lightning_trn.core.gradients`)."""
+        meshes (`lightning_trn.core.parallel.gradients`)."""
         self.precision.unscale_gradients(optimizer)
         return clip_grad_norm_(
             self.precision.main_params(optimizer),
@@ -205,7 +205,7 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
         """Materialise pending device work first, so the tensors copied to the host are the current ones; the file
         holds CPU tensors only (`NeuronCheckpointIO`), as the Trainer's do, and every rank's random state. Called on
         every rank. A sharded checkpoint (a directory every rank writes part of) replaces the previous one only once
-        complete (`lightning_trn.core.sharded_save`)."""
+        complete (`lightning_trn.core.checkpoint.sharded_save`)."""
         self.runtime.sync()
         random_state = self._random_state_to_save(self._loaders, None, batches=self._batches_taken)
         state = {**state, RANDOM_STATE_KEY: random_state}

@@ -2,7 +2,7 @@
 
 `fabric.launch()` starts the other local processes itself when the script runs as `python train.py`; under torchrun
 or SLURM the launcher's processes are used. Process groups, collectives and gradient reduction are the Trainer's
-(`lightning_trn.core.data_parallel`).
+(`lightning_trn.core.parallel.data_parallel`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.data_parallel import DataParallelCore
-from lightning_trn.core.zero1 import optimizer_state, sharding_of
+from lightning_trn.core.parallel.data_parallel import DataParallelCore
+from lightning_trn.core.parallel.zero1 import optimizer_state, sharding_of
 from lightning_trn.fabric.strategies.base import NeuronFabricStrategyBase
 
 
@@ -93,7 +93,7 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyBase, ParallelStra
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """What `fabric.save` writes of `optimizer`: with ZeRO-1 its chunks gathered to rank 0 here (a collective on
-        every rank, `lightning_trn.core.zero1.optimizer_state`)."""
+        every rank, `lightning_trn.core.parallel.zero1.optimizer_state`)."""
         return optimizer_state(optimizer)
 
     @override

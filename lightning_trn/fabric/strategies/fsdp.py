@@ -1,6 +1,6 @@
 """Fabric's `NeuronFSDPStrategy`: Lightning's `FSDPStrategy` arguments on NeuronCores (native backend), served by
 FSDP2: `Fabric(accelerator="neuron", strategy="fsdp")` or `strategy=FSDPStrategy(auto_wrap_policy={Block}, ...)`;
-`fabric.setup_module` shards the module (`lightning_trn.core.fsdp`)."""
+`fabric.setup_module` shards the module (`lightning_trn.core.parallel.fsdp`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_trn.core.fsdp import FSDPSharding
+from lightning_trn.core.parallel.fsdp import FSDPSharding
 from lightning_trn.core.strategy import CheckpointingPolicy
 from lightning_trn.fabric.strategies.model_parallel import NeuronModelParallelStrategy
 

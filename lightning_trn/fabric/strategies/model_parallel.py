@@ -3,7 +3,7 @@ NeuronCores: `Fabric(accelerator="neuron", strategy=ModelParallelStrategy(parall
 same arguments, and `fabric.setup` runs `parallelize_fn(module, device_mesh)` on the `neuron` device mesh. Beyond
 Lightning's two dimensions the mesh may have HSDP replicas (`replicate_size`) and pipeline stages
 (`pipeline_parallel_size`): `parallelize_fn` splits the model with `lightning_trn.pipeline_split(module, loss_fn,
-fabric.strategy)` and the loop calls the returned `Pipeline`'s `step` (`lightning_trn.core.pipeline`)."""
+fabric.strategy)` and the loop calls the returned `Pipeline`'s `step` (`lightning_trn.core.parallel.pipeline`)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.async_save import AsyncCheckpointer
-from lightning_trn.core.distributed_checkpoint import LIGHTNING_META_FILE
-from lightning_trn.core.dtensor_random import refuse_local_dropout
-from lightning_trn.core.model_parallel import (
+from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
+from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_FILE
+from lightning_trn.core.parallel.dtensor_random import refuse_local_dropout
+from lightning_trn.core.parallel.model_parallel import (
     broadcast_replicated,
     check_mesh_sizes,
     check_replicated_sharding,
@@ -37,8 +37,8 @@ from lightning_trn.core.model_parallel import (
     materialize,
     setup_outer_mesh,
 )
-from lightning_trn.core.pipeline import LossFn, Pipeline, Pipelining
-from lightning_trn.core.process_group import ProcessGroup
+from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, Pipelining
+from lightning_trn.core.parallel.process_group import ProcessGroup
 from lightning_trn.fabric.strategies.base import NeuronFabricStrategyBase
 from lightning_trn.hooks import registry as lightning_hooks
 
@@ -54,7 +54,8 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
             False: one file of CPU tensors assembled on rank 0.
         process_group_backend: `torch.distributed` backend of the default group (`neuron`).
         timeout: timeout of the process groups.
-        seed_checkpoint: a directory written by `lightning_trn.core.model_parallel.write_seed_checkpoint`: a model
+        seed_checkpoint: a directory written by `lightning_trn.core.parallel.model_parallel.write_seed_checkpoint`: a
+        model
             built on the meta device reads each rank's shards from it instead of drawing its initial weights on
             every rank's host.
         pipeline_parallel_size, replicate_size, pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank,
@@ -141,8 +142,9 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
     def _parallelize_and_materialize(self, module: Module, device_mesh: Any) -> Module:
         """The user's `parallelize_fn` on the module's meta twin, then each rank's shards (and what `parallelize_fn`
         left unsharded) go to the device: the values the module was built with on the host, or for a module built on
-        the meta device the unsharded module's initial weights (`lightning_trn.core.model_parallel.materialize`).
-        Replicated tensors are then made equal to the first rank's (`broadcast_replicated`)."""
+        the meta device the unsharded module's initial weights
+        (`lightning_trn.core.parallel.model_parallel.materialize`). Replicated tensors are then made equal to the first
+        rank's (`broadcast_replicated`)."""
         host_values = host_values_to_meta(module)
         module = self._user_parallelize_fn(module, device_mesh)
         if isinstance(module, Module):

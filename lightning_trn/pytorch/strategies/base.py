@@ -27,10 +27,10 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core import s3_checkpoint
+from lightning_trn.core.checkpoint import s3_checkpoint
+from lightning_trn.core.checkpoint.random_state import RANDOM_STATE_KEY
+from lightning_trn.core.checkpoint.sharded_save import remove
 from lightning_trn.core.device_loader import DevicePrefetchLoader
-from lightning_trn.core.random_state import RANDOM_STATE_KEY
-from lightning_trn.core.sharded_save import remove
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks import registry as lightning_hooks
 from lightning_trn.hooks.contract import HookContract
@@ -195,7 +195,7 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
         joining, and changing, this step's graph. No cut otherwise: a cut with nothing to run still takes about the
         last step's execution time in a training loop (benchmarks/README.md), time in which the host can trace this
         step while the device runs the last one. Then the device RNG is seeded for this batch of the run
-        (`lightning_trn.core.random_state.step_seed`: an exact resume whatever the cuts before).
+        (`lightning_trn.core.checkpoint.random_state.step_seed`: an exact resume whatever the cuts before).
         """
         if batch_idx == 0 or not self._cut_after_step:
             self.runtime.sync()
@@ -258,9 +258,9 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Materialise pending device work first, so the tensors copied to the host are the current ones; add every
-        rank's random state (`lightning_trn.core.random_state`). Called on every rank. A sharded checkpoint (a
-        directory every rank writes part of) replaces the previous one only once complete
-        (`lightning_trn.core.sharded_save`).
+        rank's random state (`lightning_trn.core.checkpoint.random_state`). Called on every rank. A sharded checkpoint
+        (a directory every rank writes part of) replaces the previous one only once complete
+        (`lightning_trn.core.checkpoint.sharded_save`).
 
         Skipped (with a log line) under `NEURON_EXTRACT_GRAPHS_ONLY=1`, where tensors hold fake values.
         """
@@ -284,9 +284,10 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes a local checkpoint directory (`ModelCheckpoint`'s `save_top_k`) by renaming it to a hidden
-        name first (`lightning_trn.core.sharded_save.remove`): a kill never leaves half of it under its name. Under
-        asynchronous saves, once the save in flight is committed (a kill before leaves the older checkpoint). A sharded
-        checkpoint in S3 loses its commit object first (`lightning_trn.core.s3_checkpoint.remove`)."""
+        name first (`lightning_trn.core.checkpoint.sharded_save.remove`): a kill never leaves half of it under its name.
+        Under asynchronous saves, once the save in flight is committed (a kill before leaves the older checkpoint). A
+        sharded checkpoint in S3 loses its commit object first
+        (`lightning_trn.core.checkpoint.s3_checkpoint.remove`)."""
         if s3_checkpoint.is_s3(filepath) and self._saves_sharded():
             if self.is_global_zero:
                 s3_checkpoint.remove(os.fspath(filepath))
@@ -312,8 +313,8 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
 
     def _probe_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
         """Before the first step of `fit`: refuse a checkpoint callback's directory that not every rank shares when
-        checkpoints are sharded (`lightning_trn.core.shared_storage`). The callbacks resolved their `dirpath` (the
-        same on every rank) in their `setup`, which the Trainer runs before the strategy's."""
+        checkpoints are sharded (`lightning_trn.core.checkpoint.shared_storage`). The callbacks resolved their `dirpath`
+        (the same on every rank) in their `setup`, which the Trainer runs before the strategy's."""
         if trainer.state.fn != TrainerFn.FITTING:
             return
         for callback in trainer.checkpoint_callbacks:

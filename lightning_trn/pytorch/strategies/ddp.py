@@ -21,9 +21,9 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.data_parallel import DataParallelCore
+from lightning_trn.core.parallel.data_parallel import DataParallelCore
+from lightning_trn.core.parallel.zero1 import optimizer_state
 from lightning_trn.core.strategy import CheckpointingPolicy
-from lightning_trn.core.zero1 import optimizer_state
 from lightning_trn.pytorch.strategies.base import NeuronStrategyBase
 
 
@@ -81,7 +81,7 @@ class NeuronDDPStrategy(DataParallelCore, NeuronStrategyBase, ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """What the checkpoint holds of `optimizer`: with ZeRO-1 its chunks gathered to rank 0 here (a collective on
-        every rank, `lightning_trn.core.zero1.optimizer_state`), as Lightning consolidates torch's
+        every rank, `lightning_trn.core.parallel.zero1.optimizer_state`), as Lightning consolidates torch's
         `ZeroRedundancyOptimizer`."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer

@@ -3,8 +3,8 @@
 `Trainer(accelerator="neuron", strategy="fsdp")` or `strategy=FSDPStrategy(auto_wrap_policy={Block}, ...)` builds it
 with the same arguments, so a Lightning FSDP script runs with only the accelerator changed. It is
 `NeuronModelParallelStrategy` with the sharding written for you: the submodules `auto_wrap_policy` selects, then the
-LightningModule, are `fully_shard`-ed when the model is configured (`lightning_trn.core.fsdp`). A module built on the
-host is sharded on its meta twin, and each rank copies only its shards of the host values to the device at setup.
+LightningModule, are `fully_shard`-ed when the model is configured (`lightning_trn.core.parallel.fsdp`). A module built
+on the host is sharded on its meta twin, and each rank copies only its shards of the host values to the device at setup.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import lightning.pytorch as pl
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_trn.core.fsdp import FSDPSharding
-from lightning_trn.core.model_parallel import HostValues, host_values_to_meta, materialize
+from lightning_trn.core.parallel.fsdp import FSDPSharding
+from lightning_trn.core.parallel.model_parallel import HostValues, host_values_to_meta, materialize
 from lightning_trn.core.strategy import CheckpointingPolicy
 from lightning_trn.pytorch.strategies.base import Step
 from lightning_trn.pytorch.strategies.model_parallel import NeuronModelParallelStrategy
@@ -34,7 +34,7 @@ class NeuronFSDPStrategy(NeuronModelParallelStrategy):
         process_group_backend: `torch.distributed` backend of the default group (`neuron`).
         timeout: timeout of the process groups.
         **kwargs: the sharding arguments (`auto_wrap_policy`, `sharding_strategy`, `cpu_offload`, `mixed_precision`,
-            `device_mesh`, FSDP1's other options): `lightning_trn.core.fsdp.FSDPSharding`.
+            `device_mesh`, FSDP1's other options): `lightning_trn.core.parallel.fsdp.FSDPSharding`.
     """
 
     strategy_name = "neuron_fsdp"

@@ -4,7 +4,7 @@ A LightningModule written for it on GPUs (`configure_model` with `fully_shard` /
 `self.device_mesh`, `trainer.init_module(empty_init=True)`, `loss_parallel`) runs with `accelerator="neuron"`:
 `Trainer(accelerator="neuron", strategy=ModelParallelStrategy(...))` builds this strategy with the same arguments.
 Beyond Lightning's two dimensions the mesh may have HSDP replicas (`replicate_size`) and pipeline stages
-(`pipeline_parallel_size`, `lightning_trn.core.pipeline`).
+(`pipeline_parallel_size`, `lightning_trn.core.parallel.pipeline`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.async_save import AsyncCheckpointer
-from lightning_trn.core.distributed_checkpoint import LIGHTNING_META_FILE
-from lightning_trn.core.dtensor_random import refuse_local_dropout
-from lightning_trn.core.model_parallel import (
+from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
+from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_FILE
+from lightning_trn.core.parallel.dtensor_random import refuse_local_dropout
+from lightning_trn.core.parallel.model_parallel import (
     broadcast_replicated,
     check_mesh_sizes,
     check_replicated_sharding,
@@ -35,8 +35,8 @@ from lightning_trn.core.model_parallel import (
     materialize,
     setup_outer_mesh,
 )
-from lightning_trn.core.pipeline import LossFn, Pipeline, Pipelining
-from lightning_trn.core.process_group import ProcessGroup
+from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, Pipelining
+from lightning_trn.core.parallel.process_group import ProcessGroup
 from lightning_trn.pytorch.strategies.base import NeuronStrategyBase
 
 _BASE_STEPS = tuple(
@@ -56,7 +56,8 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
             makes one file of them); False: one file of CPU tensors assembled on rank 0.
         process_group_backend: `torch.distributed` backend of the default group (`neuron`).
         timeout: timeout of the process groups.
-        seed_checkpoint: a directory written by `lightning_trn.core.model_parallel.write_seed_checkpoint` from the
+        seed_checkpoint: a directory written by `lightning_trn.core.parallel.model_parallel.write_seed_checkpoint` from
+        the
             LightningModule: a model built on the meta device reads each rank's shards from it instead of drawing its
             initial weights on every rank's host.
         pipeline_parallel_size: ranks of a pipeline (stages of the model, split in `configure_model` with

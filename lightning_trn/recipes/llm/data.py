@@ -157,7 +157,7 @@ def pretrained_tokenizer(path: str) -> PreTrainedTokenizerFast:
     refused before transformers takes the value for a Hub id (`check_local_folder`)."""
     from transformers import AutoTokenizer
 
-    from lightning_trn.core.pretrained import check_local_folder
+    from lightning_trn.core.checkpoint.pretrained import check_local_folder
 
     check_local_folder(path)
 

@@ -145,7 +145,7 @@ def init_adapters(net: Module, device: torch.device) -> None:
     get storage on `device` first. Nothing for a model without adapters."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_trn.core.model_parallel import empty_meta_tensors, local_block
+    from lightning_trn.core.parallel.model_parallel import empty_meta_tensors, local_block
 
     layers = _lora_layers(net)
     if not layers:

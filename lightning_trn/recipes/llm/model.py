@@ -78,8 +78,8 @@ def _has_own_tensors(module: torch.nn.Module) -> bool:
 
 def eager_init_steps(net: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]]:
     """The initialization that building `net` eagerly runs, as `(submodule, init)` steps in the same order, for
-    `lightning_trn.core.model_parallel.materialize` (`CausalLM.materialization_steps`): run on full-size host tensors
-    from the same generator state, they reproduce the eager weights and buffers bit for bit.
+    `lightning_trn.core.parallel.model_parallel.materialize` (`CausalLM.materialization_steps`): run on full-size host
+    tensors from the same generator state, they reproduce the eager weights and buffers bit for bit.
 
     A module's `__init__` ends after its children's: each `torch.nn` module with `reset_parameters` (Linear,
     Embedding) draws torch's default init when built, and each Hugging Face `PreTrainedModel` ends with `post_init`,
@@ -285,7 +285,7 @@ class CausalLM(pl.LightningModule):
         if self._parallelized:
             return
         if self.device_mesh is None and self._init_rng_state is not None:  # meta_init, nothing to shard: all here
-            from lightning_trn.core.model_parallel import materialize
+            from lightning_trn.core.parallel.model_parallel import materialize
 
             materialize(self, self.trainer.strategy.root_device)
         checkpointing = self.hparams["activation_checkpointing"] and self._meta_init
@@ -301,7 +301,7 @@ class CausalLM(pl.LightningModule):
         # each rank reads the blocks it keeps, meta tensors getting storage; without a Trainer this is
         # `load_from_checkpoint` (export), whose checkpoint holds the weights
         if self.hparams.get("pretrained") and self._trainer is not None:
-            from lightning_trn.core.pretrained import load_pretrained
+            from lightning_trn.core.checkpoint.pretrained import load_pretrained
 
             device = self.trainer.strategy.root_device
             with base_layers(self.net):  # the folder's names are those of the model without adapters
@@ -384,7 +384,7 @@ def pretrained_model(path: str, attn_implementation: str, meta: bool) -> LlamaFo
     """`AutoModelForCausalLM` built from the config of the `save_pretrained` folder `path` (a supported
     `model_type`, else a `ValueError` naming them), on the meta device or, with `meta=False`, on the host with
     random weights: `load_pretrained` fills either. Typed as the Llama model, whose layout every supported type has."""
-    from lightning_trn.core.pretrained import meta_model_from_pretrained
+    from lightning_trn.core.checkpoint.pretrained import meta_model_from_pretrained
 
     net = cast(LlamaForCausalLM, meta_model_from_pretrained(path, attn_implementation=attn_implementation))
     if meta:

@@ -31,7 +31,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
-from lightning_trn.core import pretrained, safetensors_blocks
+from lightning_trn.core.checkpoint import pretrained, safetensors_blocks
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricModelParallelStrategy
 from lightning_trn.pytorch.strategies import NeuronModelParallelStrategy
 from tests.standin.safetensors_reads import counting_reads

@@ -26,7 +26,7 @@ from torch import nn
 
 import lightning_trn  # noqa: F401  registers accelerator="neuron"
 from lightning_trn import standin
-from lightning_trn.core.model_parallel import write_seed_checkpoint
+from lightning_trn.core.parallel.model_parallel import write_seed_checkpoint
 from lightning_trn.fabric import NeuronModelParallelStrategy
 from tests.standin.safetensors_reads import counting_reads
 

@@ -4,22 +4,22 @@ A checkpoint written on Trainium must load on a GPU or CPU machine without torch
 `torch.load(..., weights_only=True)`. So every tensor is moved to the host and config containers
 (omegaconf) become plain dicts/lists before `torch.save`.
 
-Local writes are atomic and durable (`lightning_trn.core.checkpoint_file.atomic_local_save`). Remote paths
+Local writes are atomic and durable (`lightning_trn.core.checkpoint.checkpoint_file.atomic_local_save`). Remote paths
 (`s3://` ...) go through Lightning's fsspec writer.
 
 Local checkpoint files are memory-mapped (`torch.load(mmap=True)`): a ZeRO-1 rank that resumes a full checkpoint reads
 only its own slices of the optimizer state, not the whole file.
 
-A sharded ZeRO-1 checkpoint is a directory (`lightning_trn.core.zero1`): loading it gives the checkpoint with the full
-optimizer state, as a full checkpoint would, except under a ZeRO-1 strategy (`zero1_shard` set), where each rank gets
-only its own chunks: from its own file alone at the saved world size, sliced from the memory-mapped files that hold
-them at another. Loading a torch.distributed.checkpoint directory written by a sharded strategy
-(`lightning_trn.core.distributed_checkpoint`) also gives the full checkpoint: a sharded run resumes on one device, the
-CPU or a GPU.
+A sharded ZeRO-1 checkpoint is a directory (`lightning_trn.core.parallel.zero1`): loading it gives the checkpoint with
+the full optimizer state, as a full checkpoint would, except under a ZeRO-1 strategy (`zero1_shard` set), where each
+rank gets only its own chunks: from its own file alone at the saved world size, sliced from the memory-mapped files that
+hold them at another. Loading a torch.distributed.checkpoint directory written by a sharded strategy
+(`lightning_trn.core.checkpoint.distributed_checkpoint`) also gives the full checkpoint: a sharded run resumes on one
+device, the CPU or a GPU.
 
 The train loaders' resume positions are stored under their own top-level key instead of Lightning's fit-loop state
-(`lightning_trn.core.checkpoint_file.stash_loader_states`: a CPU/GPU run would otherwise refuse the checkpoint).
-Loading through this class puts them back.
+(`lightning_trn.core.checkpoint.checkpoint_file.stash_loader_states`: a CPU/GPU run would otherwise refuse the
+checkpoint). Loading through this class puts them back.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from lightning_trn.core.async_save import AsyncCheckpointer
-from lightning_trn.core.checkpoint_file import atomic_local_save, stash_loader_states, unstash_loader_states
-from lightning_trn.core.distributed_checkpoint import is_distributed_checkpoint, load_consolidated
-from lightning_trn.core.zero1 import SHARDED_MAIN_FILE, consolidate
+from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
+from lightning_trn.core.checkpoint.checkpoint_file import atomic_local_save, stash_loader_states, unstash_loader_states
+from lightning_trn.core.checkpoint.distributed_checkpoint import is_distributed_checkpoint, load_consolidated
+from lightning_trn.core.parallel.zero1 import SHARDED_MAIN_FILE, consolidate
 
 
 def to_portable(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -82,13 +82,13 @@ class NeuronCheckpointIO(TorchCheckpointIO):
 
     Args:
         async_save: write the torch.distributed.checkpoint directories of the sharded strategies (model-parallel and
-            FSDP, native backend) in the background (`lightning_trn.core.async_save`): a save blocks training only
-            while it copies the state to host memory. Off by default. Strategies that write one file (or ZeRO-1's
+            FSDP, native backend) in the background (`lightning_trn.core.checkpoint.async_save`): a save blocks training
+            only while it copies the state to host memory. Off by default. Strategies that write one file (or ZeRO-1's
             directories) refuse it at setup.
 
     Attributes:
         zero1_shard: `(rank, world_size)` of a ZeRO-1 strategy's process (it sets it): sharded ZeRO-1 directories then
-            load as that rank's chunks (`lightning_trn.core.zero1.consolidate`), not as full tensors.
+            load as that rank's chunks (`lightning_trn.core.parallel.zero1.consolidate`), not as full tensors.
         async_checkpointer: the background writer of `async_save=True` (None otherwise).
     """
 

@@ -23,8 +23,8 @@ afterwards the generator is seeded with `digest(key)` on every rank. So:
 
 As with torch's tracker on GPUs, the values depend on the mesh: a dp 2 x tp 2 run does not draw what one process
 draws. The alternative, drawing every tensor at full size from a generator seeded alike on every rank and keeping the
-local slice (what `core.model_parallel.materialize` does for meta-device init), would be mesh-independent, but would
-draw and hold the whole tensor on every rank for every op: for an 8 B model's embedding 2 GB per rank, and for
+local slice (what `core.parallel.model_parallel.materialize` does for meta-device init), would be mesh-independent, but
+would draw and hold the whole tensor on every rank for every op: for an 8 B model's embedding 2 GB per rank, and for
 dropout on sequence-parallel activations the full activation's mask on every rank at every step. Drawing only the
 shard costs nothing beyond the op itself (one hash of the generator state, on the host).
 
@@ -92,7 +92,7 @@ def neuron_rng_tracker(device_type: str, previous: Any | None) -> Any:
     """A `NeuronRNGTracker` for `device_type` meshes; `previous`, the tracker in place before, serves the others."""
 
     class NeuronRNGTracker(_tracker_base()):  # type: ignore[misc]  # torch's private base, found at run time
-        """torch's `_RNGStateTracker` interface with the rule of `lightning_trn.core.dtensor_random`."""
+        """torch's `_RNGStateTracker` interface with the rule of `lightning_trn.core.parallel.dtensor_random`."""
 
         def __init__(self) -> None:
             super().__init__(torch.device(device_type))
@@ -156,7 +156,7 @@ def refuse_local_dropout(module: nn.Module, strategy: Any) -> None:
     """Under tensor parallelism, make each dropout module of `module` with `p > 0` refuse (one paragraph, at its
     first training call) a plain-tensor input: its mask would repeat on every tensor-parallel rank. DTensor inputs
     pass (the rule above gives each shard its own mask). Functional `F.dropout` calls are not seen."""
-    from lightning_trn.core.fsdp import FSDPSharding
+    from lightning_trn.core.parallel.fsdp import FSDPSharding
 
     # an FSDP strategy (it holds its sharding) has no tensor parallelism, though its hybrid mesh calls the shard
     # dimension "tensor_parallel"

@@ -1,10 +1,10 @@
 """`DataParallelCore`: the data-parallel logic shared by the Trainer's and Fabric's `NeuronDDPStrategy`.
 
 One process per NeuronCore, from torchrun, SLURM or the strategy's own launcher (process groups:
-`lightning_trn.core.process_group`); the model is not wrapped in torch's DistributedDataParallel: gradients are
+`lightning_trn.core.parallel.process_group`); the model is not wrapped in torch's DistributedDataParallel: gradients are
 averaged explicitly, bucketed, once per optimizer step, by the runtime's collectives (`xm` on Neuron with torch_xla,
 gloo on host copies on XLA:CPU, the `neuron` process group on the device tensors natively). With `zero1=True`
-(`"neuron_zero1"`) the optimizer state is sharded over the ranks (`lightning_trn.core.zero1`).
+(`"neuron_zero1"`) the optimizer state is sharded over the ranks (`lightning_trn.core.parallel.zero1`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.checkpoint_io import NeuronCheckpointIO, atomic_local_save, to_portable
-from lightning_trn.core.precision import NeuronPrecisionCore
-from lightning_trn.core.process_group import ProcessGroup
-from lightning_trn.core.strategy import CoreMixinBase
-from lightning_trn.core.zero1 import (
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO, atomic_local_save, to_portable
+from lightning_trn.core.parallel.process_group import ProcessGroup
+from lightning_trn.core.parallel.zero1 import (
     SHARDED_MAIN_FILE,
     STATE_DICT_TYPES,
     Zero1Sharding,
@@ -31,6 +29,8 @@ from lightning_trn.core.zero1 import (
     sharding_of,
     split_chunks,
 )
+from lightning_trn.core.precision import NeuronPrecisionCore
+from lightning_trn.core.strategy import CoreMixinBase
 
 
 class DataParallelCore(CoreMixinBase):
@@ -135,7 +135,7 @@ class DataParallelCore(CoreMixinBase):
     def _split_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> tuple[dict[str, Any], Any]:
         """Sharded ZeRO-1 checkpoints are directories: this rank writes its chunks to `<path>/zero1-rank<r>.pt` now;
         rank 0 writes the rest to `<path>/checkpoint.pt` (`path`: the save's staging directory,
-        `lightning_trn.core.sharded_save`)."""
+        `lightning_trn.core.checkpoint.sharded_save`)."""
         if not self._saves_sharded():
             return checkpoint, path
         checkpoint, chunks = split_chunks(checkpoint)

@@ -2,11 +2,11 @@
 is saved there.
 
 A sharded checkpoint is a directory every rank writes its own shards into, and rank 0 commits
-(`lightning_trn.core.sharded_save`). On a disk local to each node (an instance store, a container's own filesystem)
-every save "succeeds" and each node keeps only its own ranks' shards: the checkpoint on rank 0's node is incomplete.
-Lightning's `is_shared_filesystem` asks only whether every rank sees rank 0's file and answers yes or no; this probe
-has every rank write a file and look for everyone else's, so it finds any set of ranks on their own storage and says
-which.
+(`lightning_trn.core.checkpoint.sharded_save`). On a disk local to each node (an instance store, a container's own
+filesystem) every save "succeeds" and each node keeps only its own ranks' shards: the checkpoint on rank 0's node is
+incomplete. Lightning's `is_shared_filesystem` asks only whether every rank sees rank 0's file and answers yes or no;
+this probe has every rank write a file and look for everyone else's, so it finds any set of ranks on their own storage
+and says which.
 """
 
 from __future__ import annotations

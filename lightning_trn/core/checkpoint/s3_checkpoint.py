@@ -2,9 +2,9 @@
 torch.distributed.checkpoint (DCP) directories (model-parallel and FSDP; Trainer and Fabric), atomic by a commit
 object that rank 0 writes last.
 
-S3 has no rename, so a save cannot be staged and swapped in as on a filesystem (`lightning_trn.core.sharded_save`).
-Each save writes a new version under the checkpoint's prefix, and one small object says which version is the
-checkpoint:
+S3 has no rename, so a save cannot be staged and swapped in as on a filesystem
+(`lightning_trn.core.checkpoint.sharded_save`). Each save writes a new version under the checkpoint's prefix, and one
+small object says which version is the checkpoint:
 
     <name>.ckpt/commit.json                         {"version": "<v>"}: written last, by rank 0, after every rank's
     <name>.ckpt/<v>/__<rank>_0.distcp, .metadata    DCP's files, every rank's, through AWS's s3torchconnector

@@ -54,8 +54,8 @@ from contextlib import contextmanager
 
 from lightning.fabric.utilities.types import _PATH
 
-from lightning_trn.core import s3_checkpoint
-from lightning_trn.core.checkpoint_file import fsync_directory
+from lightning_trn.core.checkpoint import s3_checkpoint
+from lightning_trn.core.checkpoint.checkpoint_file import fsync_directory
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ _REMOVING_SUFFIX = ".removing"
 _SET_ASIDE = re.compile(r"\..+\.[0-9a-f]{8}" + re.escape(_REMOVING_SUFFIX))
 #: the files of a sharded checkpoint that their writer fsyncs itself, before the save's barrier: DCP's shards
 #: `__<rank>_<n>.distcp` and `.metadata` (`FileSystemWriter(sync_files=True)`, what Lightning's save uses), ZeRO-1's
-#: `zero1-rank<r>.pt` (`lightning_trn.core.zero1.chunk_file`, written by `atomic_local_save`)
+#: `zero1-rank<r>.pt` (`lightning_trn.core.parallel.zero1.chunk_file`, written by `atomic_local_save`)
 SYNCED_BY_WRITER = re.compile(r"__\d+_\d+\.distcp|\.metadata|zero1-rank\d+\.pt")
 #: how long the other ranks of a Trainer wait for rank 0 to put back an interrupted commit before a resume
 RECOVERY_TIMEOUT_S = 300.0
@@ -264,7 +264,7 @@ def _wait_for_recovery(directories: list[str], rank: int, timeout_s: float) -> N
             raise TimeoutError(
                 f"lightning_trn: rank {rank} waited {timeout_s:.0f} s for rank 0 to put back the checkpoints "
                 f"{pending} (a save killed between its two renames left them as `.<name>{ASIDE_SUFFIX}`); rank 0 "
-                "runs `lightning_trn.core.sharded_save.recover_all` on them before a resume."
+                "runs `lightning_trn.core.checkpoint.sharded_save.recover_all` on them before a resume."
             )
         time.sleep(_RECOVERY_POLL_S)
 
@@ -312,7 +312,8 @@ def staged_directory(
         path: the checkpoint directory, local.
         rank: this process's global rank; rank 0 prepares and commits.
         barrier: waits for every rank.
-        defer: for a save whose writes go on after the block (`lightning_trn.core.async_save`): on leaving the block,
+        defer: for a save whose writes go on after the block (`lightning_trn.core.checkpoint.async_save`): on leaving
+        the block,
             each rank hands it the commit (step 3 on rank 0, nothing on the others) to run once its writes are done,
             instead of the barrier and the commit.
     """

@@ -1,6 +1,6 @@
 """Reading a block of a tensor out of a safetensors file: the part of a parameter one rank holds (a DTensor's local
 shard), read alone through safetensors' slicing, so a rank reads its shard and not the whole tensor. Shared by
-`load_pretrained` (Hugging Face folders) and seed checkpoints (`core.model_parallel.load_seed_checkpoint`).
+`load_pretrained` (Hugging Face folders) and seed checkpoints (`core.parallel.model_parallel.load_seed_checkpoint`).
 """
 
 from __future__ import annotations

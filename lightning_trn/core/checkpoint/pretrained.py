@@ -3,7 +3,7 @@
 `load_pretrained(module, path)` fills a model built on the meta device or on the host and then parallelized (FSDP2
 `fully_shard`, DTensor tensor parallelism, both; or plain tensors: single device, DDP, ZeRO-1) from the folder's
 safetensors files. Each rank reads only the block of each tensor it keeps (`safe_open(...).get_slice(key)[block]`,
-the block DCP would give it, `core.safetensors_blocks.local_block`), one tensor at a time, each file opened
+the block DCP would give it, `core.checkpoint.safetensors_blocks.local_block`), one tensor at a time, each file opened
 for that tensor only: a rank's host holds its shards (on the stand-in device they are host memory too) plus one
 tensor's block, never the model. Called from `configure_model` (Trainer) or a Fabric `parallelize_fn` after
 parallelizing, it gives meta tensors their storage itself, so the strategy's `materialize` finds nothing left to draw.
@@ -21,14 +21,14 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_trn.core.model_parallel import (
+from lightning_trn.core.checkpoint.safetensors_blocks import file_shapes, listed, read_into, weight_files
+from lightning_trn.core.parallel.model_parallel import (
     _copy_shards,
     _own_tensors,
     _run_on_host,
     _unwrapped_name,
     empty_meta_tensors,
 )
-from lightning_trn.core.safetensors_blocks import file_shapes, listed, read_into, weight_files
 
 #: `config.json` `model_type`s whose `AutoModelForCausalLM` layout (names and shapes) is the Llama one this loader
 #: is tested on

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from typing_extensions import override
 
-from lightning_trn.core.checkpoint_file import atomic_local_save, stash_loader_states
+from lightning_trn.core.checkpoint.checkpoint_file import atomic_local_save, stash_loader_states
 
 #: the file of the DCP directory that says what it holds
 METADATA_FILE = ".metadata"
@@ -256,7 +256,8 @@ def write_consolidated(path: Any, output: Any) -> None:
         for key, tensor in reader.read_tensors(files, scratch_tensor):
             _set(saved, reader.path_of(key), tensor)
         # as every one-file checkpoint of lightning_trn: the train loaders' resume positions under their own key, so
-        # a CPU/GPU run (plain, stateless DataLoaders) accepts the file (`lightning_trn.core.checkpoint_file`)
+        # a CPU/GPU run (plain, stateless DataLoaders) accepts the file
+        # (`lightning_trn.core.checkpoint.checkpoint_file`)
         atomic_local_save(stash_loader_states(_one_file_format(saved, reader.lightning_meta())), output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -269,7 +269,7 @@ class Zero1Sharding:
                 "1/N of each tensor, so an optimizer that reads per-tensor norms or shapes (LAMB, LARS, Adam-mini, "
                 "Shampoo, Adafactor, Muon, LBFGS's closure) would silently compute them over a chunk and train "
                 "differently. If this optimizer is element-wise, opt in before the strategy sets it up with "
-                f"`lightning_trn.core.zero1.allow_zero1_optimizer({name})`; otherwise use `zero1=False` "
+                f"`lightning_trn.core.parallel.zero1.allow_zero1_optimizer({name})`; otherwise use `zero1=False` "
                 "(strategy='neuron_ddp')."
             )
         if optimizer in _SHARDINGS:

@@ -9,9 +9,9 @@ has nothing to speed up here.
 
 DCP's `async_save` then plans and writes the files in a background thread, over a gloo group of its own (its
 collectives never interleave with those of the training thread), and the commit that makes the staged directory the
-checkpoint (`lightning_trn.core.sharded_save.staged_directory`'s `defer`; on rank 0) runs in a second background
-thread once the write is done. DCP's coordinator writes `.metadata` only after every rank's files are written and
-synced, so rank 0's write being done means every rank's is.
+checkpoint (`lightning_trn.core.checkpoint.sharded_save.staged_directory`'s `defer`; on rank 0) runs in a second
+background thread once the write is done. DCP's coordinator writes `.metadata` only after every rank's files are written
+and synced, so rank 0's write being done means every rank's is.
 
 At most one save is in flight: a new save, `wait()`, and `close()` (the checkpoint IO's teardown: the end of `fit`,
 the exception path a SIGTERM takes) wait for the previous one and raise its error if it failed. A process killed

@@ -300,7 +300,7 @@ class Pipelining:
         schedule: one of `SCHEDULES`.
         microbatches: microbatches per batch; None: the number of stages (the fewest that fill the pipeline).
         stages_per_rank: stages on each rank for the interleaved schedules (2 for ZBVZeroBubble).
-        transport: how stages exchange tensors (`lightning_trn.core.stage_transport.TRANSPORTS`); None: the
+        transport: how stages exchange tensors (`lightning_trn.core.parallel.stage_transport.TRANSPORTS`); None: the
             backend's own send/recv where `point_to_point` says it has them, else broadcasts.
     """
 
@@ -313,7 +313,7 @@ class Pipelining:
         transport: str | None,
         point_to_point: bool = False,
     ) -> None:
-        from lightning_trn.core.stage_transport import TRANSPORTS
+        from lightning_trn.core.parallel.stage_transport import TRANSPORTS
 
         transport = transport or ("send_recv" if point_to_point else "broadcast")
         self.size = size
@@ -337,7 +337,7 @@ class Pipelining:
 
     def setup(self, mesh: Any, device: torch.device, backend: str | None) -> None:
         """Create the pipeline groups of the mesh (every process all of them, in one order) and keep this rank's."""
-        from lightning_trn.core.stage_transport import pipeline_groups
+        from lightning_trn.core.parallel.stage_transport import pipeline_groups
 
         if self.size == 1:
             return

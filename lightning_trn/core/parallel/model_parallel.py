@@ -4,7 +4,7 @@ check, meta-device materialization, seed checkpoints, replicated tensors made eq
 The strategies extend Lightning's own `ModelParallelStrategy` (FSDP2 `fully_shard` and DTensor tensor parallelism on
 a 2-D device mesh, torch.distributed.checkpoint directories): the mesh is built on the `neuron` devices, one per
 process, the default group is the runtime's `neuron` backend and host objects go over a gloo group
-(`lightning_trn.core.process_group`). Only the native backend shards models (`DeviceRuntime.shards_models`).
+(`lightning_trn.core.parallel.process_group`). Only the native backend shards models (`DeviceRuntime.shards_models`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_trn.core.safetensors_blocks import file_shapes, listed, local_block, read_into, weight_files
+from lightning_trn.core.checkpoint.safetensors_blocks import file_shapes, listed, local_block, read_into, weight_files
 from lightning_trn.runtime import DeviceRuntime
 
 #: the arguments of Lightning's `ModelParallelStrategy` (Trainer and Fabric) and the attributes that hold them
@@ -433,8 +433,8 @@ def setup_outer_mesh(
     """A Neuron `ModelParallelStrategy`'s `setup_environment` (Trainer and Fabric): Lightning's own
     (`lightning_setup`), and with pipeline stages or HSDP replicas the N-D mesh (`build_device_mesh`) in place of
     Lightning's 2-D one, which is built over a data-parallel size standing for the outer dimensions together; then
-    the pipeline groups (`lightning_trn.core.pipeline.Pipelining.setup`) and the group gradient clipping takes the
-    norm over."""
+    the pipeline groups (`lightning_trn.core.parallel.pipeline.Pipelining.setup`) and the group gradient clipping takes
+    the norm over."""
     outer = pipelining.size * replicate_size
     if outer == 1:
         lightning_setup()
