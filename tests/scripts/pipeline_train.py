@@ -23,6 +23,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from model_parallel_train import ACCUMULATE, CLIP, GLOBAL_BATCH, LENGTH, SEED, SEQUENCES, VOCAB, WIDTH, Block
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -34,20 +35,9 @@ import lightning_trn
 from lightning_trn import NeuronModelParallelStrategy
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronModelParallelStrategy
 
-SEED = 1234
-VOCAB, WIDTH, LENGTH, BLOCKS = 64, 32, 12, 4
-SEQUENCES, GLOBAL_BATCH, ACCUMULATE, CLIP = 64, 8, 2, 0.5
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.w1 = nn.Linear(WIDTH, 4 * WIDTH)
-        self.w2 = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(F.gelu(self.w1(self.norm(x))))
+# `Block` and the data and optimizer settings are those of tests/scripts/model_parallel_train.py (one token model
+# family for both scripts); here with 4 blocks, to divide over up to 4 stages
+BLOCKS = 4
 
 
 class PipeNet(nn.Module):
