@@ -40,38 +40,49 @@ _WARM = pytest.StashKey[tuple]()
 def pytest_configure(config: pytest.Config) -> None:
     """Children start from a warm interpreter (`tests/warm_python.py`) unless LIGHTNING_TRN_TEST_COLD is set: one
     server per suite, started by the first pytest (pytest-xdist's controller); its workers, and a pytest that a test
-    starts, use the same server."""
+    starts, use the same server. The XLA suite starts a second one without torch_xla, for the children of
+    `tests/xla_free_python.py`."""
     if os.environ.get("LIGHTNING_TRN_TEST_COLD"):
         return
     if os.environ.get("LIGHTNING_TRN_WARM_PYTHON"):  # a pytest-xdist worker, or a pytest a test started: use its server
         sys.executable = os.path.join(os.environ["LIGHTNING_TRN_WARM_PYTHON"], "python")
         return
-    from tests import warm_python
+    from tests import warm_python, xla_free_python
 
     directory = Path(tempfile.mkdtemp(prefix="warm-"))
-    server, client = warm_python.start(directory)
-    config.stash[_WARM] = (server, directory, sys.executable)
+    servers = [warm_python.start(directory)[0]]
+    if XLA_SUITE:
+        free = directory / "without-torch-xla"
+        site = xla_free_python.xla_free_site(directory)
+        servers.append(warm_python.start(free, flags=("-S",), site=site, env=xla_free_python.child_env())[0])
+        os.environ[xla_free_python.WARM_VARIABLE] = str(free)
+    config.stash[_WARM] = (servers, directory, sys.executable)
     os.environ["LIGHTNING_TRN_WARM_PYTHON"] = str(directory)
-    sys.executable = str(client)
+    sys.executable = str(directory / "python")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """How many children the warm interpreter forked, and which started cold and why (docs/contributing.md)."""
+    """How many children the warm interpreters forked, and which started cold and why (docs/contributing.md)."""
     if _WARM in config.stash:
         from tests import warm_python
 
-        terminalreporter.write_line(warm_python.summary(config.stash[_WARM][1]))
+        directory = config.stash[_WARM][1]
+        terminalreporter.write_line(warm_python.summary(directory))
+        if (directory / "without-torch-xla").exists():
+            terminalreporter.write_line("without torch_xla: " + warm_python.summary(directory / "without-torch-xla"))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _WARM not in config.stash:
         return
-    from tests import warm_python
+    from tests import warm_python, xla_free_python
 
-    server, directory, real_python = config.stash[_WARM]
+    servers, directory, real_python = config.stash[_WARM]
     sys.executable = real_python
     os.environ.pop("LIGHTNING_TRN_WARM_PYTHON", None)
-    warm_python.stop(server)
+    os.environ.pop(xla_free_python.WARM_VARIABLE, None)
+    for server in servers:
+        warm_python.stop(server)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import xla_free_python
+
 pytestmark = pytest.mark.both
 
 #: prints whether torch was imported before the command ran: true only in a fork of the warm interpreter
@@ -106,3 +108,24 @@ def test_what_a_fork_could_not_run_exactly_runs_cold(warm_ready: None, case: str
     run = _python(*args, "-c", WARM_PROBE, **kwargs)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "cold", case
+
+
+def test_the_interpreter_without_torch_xla_forks_only_for_its_own_flags(warm_ready: None, tmp_path: Path) -> None:
+    """The XLA suite's second warm interpreter (`python -S` on a site without torch_xla) serves
+    `tests/xla_free_python.py`: its forks have torch loaded and no torch_xla to find; a command without `-S` (which
+    would see site-packages) runs cold there, and one with `-S` runs cold at the main interpreter (which has them)."""
+    directory = os.environ.get(xla_free_python.WARM_VARIABLE)
+    if directory is None:
+        pytest.skip("the native suite has no torch_xla to leave out")
+    deadline = time.monotonic() + 300
+    while not Path(directory, "sock").exists():
+        assert time.monotonic() < deadline, Path(directory, "server.log").read_text()
+        time.sleep(0.2)
+    run = xla_free_python.run_without_torch_xla(
+        f"{WARM_PROBE}; import importlib.util; print(importlib.util.find_spec('torch_xla') is None)", tmp_path
+    )
+    assert run.stdout.split() == ["warm", "True"], run.stderr
+    free_python = os.path.join(directory, "python")
+    run = subprocess.run([free_python, "-c", WARM_PROBE], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "cold", run.stderr
+    assert _python("-S", "-c", WARM_PROBE).stdout.strip() == "cold"

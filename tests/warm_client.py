@@ -64,11 +64,23 @@ def cold(reason: str) -> None:
     os.execv(REAL_PYTHON, [REAL_PYTHON, *sys.argv[1:]])
 
 
-def warm_command(args: list) -> bool:
-    """Whether `python ARGS` is a form the warm child runs exactly: `[-u] [-B] (-m module | -c code | script) ...`."""
-    while args and args[0] in ("-u", "-B"):
+def server_flags() -> set:
+    """The interpreter flags the warm interpreter runs with (`-S` for one without site-packages)."""
+    try:
+        with open(os.path.join(HERE, "flags")) as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
+
+
+def warm_command(args: list, flags: set) -> bool:
+    """Whether `python ARGS` is a form the warm child runs exactly: `[-u] [-B] (-m module | -c code | script) ...`,
+    with exactly the warm interpreter's own `flags` among the leading ones (`-S`)."""
+    given = set()
+    while args and args[0] in ("-u", "-B", *flags):
+        given |= {args[0]} & flags
         args = args[1:]
-    if not args:
+    if not args or given != flags:
         return False
     if args[0] in ("-m", "-c"):
         return len(args) > 1 and not (args[0] == "-m" and args[1] in ("pip", "venv", "ensurepip"))
@@ -97,7 +109,7 @@ def main() -> None:
         cold("asked to")
     if os.getsid(0) == os.getpid() and "TORCHELASTIC_RUN_ID" not in os.environ:
         cold("own session")
-    if not warm_command(sys.argv[1:]):
+    if not warm_command(sys.argv[1:], server_flags()):
         cold("command form")
     if not os.path.exists(os.path.join(HERE, "env.json")):  # the server writes it when its imports are done
         cold("not ready")

@@ -35,6 +35,7 @@ import sys
 import threading
 import traceback
 import types
+from collections.abc import Sequence
 from pathlib import Path
 
 #: imported once by the server: what nearly every child imports, and nothing that reads the test's environment at
@@ -59,21 +60,32 @@ PRELOAD = (
 CLIENT_SOURCE = Path(__file__).with_name("warm_client.py")
 #: one line per child forked warm (`summary` counts them; the client writes `cold.log` beside it)
 WARM_LOG = "{directory}/warm.log"
+#: beside the socket: the server's interpreter flags (the client reads them), and the site directory it adds
+FLAGS_FILE, SITE_FILE = "flags", "site"
 _POLL_S = 0.01
 
 
-def start(directory: Path) -> tuple[subprocess.Popen, Path]:
+def start(
+    directory: Path, flags: Sequence[str] = (), site: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path]:
     """Start the server in the background for this interpreter and environment; returns it and the client to use
-    as `sys.executable`. Until the server is ready, the client runs the real interpreter."""
+    as `sys.executable`. Until the server is ready, the client runs the real interpreter.
+
+    `flags`: interpreter flags the server runs with (`-S`: no site-packages); the client forks only for commands
+    that give exactly these, and runs the others cold. `site`: a site directory the server adds before its imports
+    (with `-S`, the only one). `env`: the server's environment, by default this process's."""
     directory.mkdir(parents=True, exist_ok=True)
     client = directory / "python"
     source = CLIENT_SOURCE.read_text().replace("@REAL_PYTHON@", sys.executable)
     client.write_text(f"#!{sys.executable} -SE\n{source}")
     client.chmod(0o755)
+    (directory / FLAGS_FILE).write_text(" ".join(flags))
+    if site is not None:
+        (directory / SITE_FILE).write_text(str(site))
     with open(directory / "server.log", "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, __file__, str(directory)],
-            env={**os.environ, "LIGHTNING_TRN_TEST_COLD": "1"},  # the server's own children, if any, are cold
+            [sys.executable, *flags, __file__, str(directory)],
+            env={**(os.environ if env is None else env), "LIGHTNING_TRN_TEST_COLD": "1"},  # its own children: cold
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -129,7 +141,7 @@ def _run(request: dict, client: str, base_path: list[str]) -> None:
     """Become the client's command in this fork, run it and exit as `python` would (never returns)."""
     argv = list(request["argv"])
     unbuffered = bool(request["env"].get("PYTHONUNBUFFERED"))
-    while argv[0] in ("-u", "-B"):
+    while argv[0] in ("-u", "-B", "-S"):  # `-S` only reaches a server that runs with it (the client checks)
         unbuffered |= argv.pop(0) == "-u"
     os.environ.clear()
     os.environ.update(request["env"])
@@ -197,6 +209,10 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def serve(directory: Path) -> None:
+    if (directory / SITE_FILE).exists():
+        import site
+
+        site.addsitedir((directory / SITE_FILE).read_text())
     for name in PRELOAD:
         try:
             importlib.import_module(name)

@@ -16,9 +16,11 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _EXCLUDED_PREFIXES = ("torch_xla", "_XLAC", "libtpu", "__editable__")
+#: names the warm interpreter without torch_xla (`python -S` on this site, tests/conftest.py), when there is one
+WARM_VARIABLE = "LIGHTNING_TRN_WARM_PYTHON_WITHOUT_XLA"
 
 
-def _xla_free_site(tmp_dir: Path) -> Path:
+def xla_free_site(tmp_dir: Path) -> Path:
     site = tmp_dir / "site-packages-without-torch-xla"
     if site.exists():
         return site
@@ -31,15 +33,21 @@ def _xla_free_site(tmp_dir: Path) -> Path:
     return site
 
 
+def child_env() -> dict[str, str]:
+    """This environment without the XLA and Neuron runtimes' variables, as a machine without torch_xla has it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "NEURON_"))}
+
+
 def run_without_torch_xla(code: str, tmp_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `code` in a child interpreter without torch_xla; the project root is importable and the cwd."""
-    site = _xla_free_site(tmp_dir)
+    site = xla_free_site(tmp_dir)
     prelude = f"import site, sys\nsite.addsitedir({str(site)!r})\nsys.path.insert(0, {str(PROJECT_ROOT)!r})\n"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "NEURON_"))}
+    warm = os.environ.get(WARM_VARIABLE)
+    python = os.path.join(warm, "python") if warm else sys.executable  # a fork of the warm one, where it runs
     return subprocess.run(
-        [sys.executable, "-S", "-c", prelude + textwrap.dedent(code)],
+        [python, "-S", "-c", prelude + textwrap.dedent(code)],
         cwd=PROJECT_ROOT,
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
