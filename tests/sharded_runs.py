@@ -27,9 +27,9 @@ def run_job(out: Path, kind: str, *args: str, killed: bool = False, script: Path
     """Run the 2-rank job (`script`, by default the worker of the module docstring); return its checkpoint directory.
     `killed`: the job must end by its own SIGKILL (else the kill point was never reached and nothing was tested).
 
-    A job that kills itself kills its process group (`killpg`), so it runs in a session of its own, which starts
-    cold (tests/warm_client.py); any other job starts from the warm interpreter, whose fork takes its other ranks
-    with it when the test kills the client."""
+    A job that kills itself kills its process group (`killpg`), so it runs in a session of its own; the warm
+    interpreter's fork takes its other ranks' forks with it (tests/warm_python.py), as the test's `proc.kill()` does
+    for any other job."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(script), "--out", str(out), "--kind", kind, *args]
     proc = subprocess.Popen(

@@ -5,6 +5,7 @@ signals), and a child that a fork could not run exactly runs cold."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,7 +100,6 @@ def test_passed_descriptors_arrive_under_their_numbers(warm_ready: None) -> None
     [
         ("asked to", {"env": {**os.environ, "LIGHTNING_TRN_TEST_COLD": "1"}}, ()),
         ("import-time variable", {"env": {**os.environ, "PYTHONHASHSEED": "7"}}, ()),
-        ("own session", {"start_new_session": True}, ()),
         ("interpreter flag", {}, ("-I",)),
     ],
 )
@@ -129,3 +129,51 @@ def test_the_interpreter_without_torch_xla_forks_only_for_its_own_flags(warm_rea
     run = subprocess.run([free_python, "-c", WARM_PROBE], capture_output=True, text=True, timeout=120)
     assert run.stdout.strip() == "cold", run.stderr
     assert _python("-S", "-c", WARM_PROBE).stdout.strip() == "cold"
+
+
+def test_a_job_killed_by_sigkill_takes_the_forks_it_started_before_its_death_is_reported(
+    warm_ready: None, tmp_path: Path
+) -> None:
+    """A job in a session of its own (as tests start one that kills itself) is warm, and when it dies of SIGKILL
+    (its `killpg`, or the test's), every fork its processes started (another rank) is dead before the test sees its
+    exit: a cold job's group holds every rank, but a fork has a session of its own. The rank here is started in a
+    session of its own, so its client outlives the job's `killpg`, and only this rule takes the rank down."""
+    pid_file = tmp_path / "pid"
+    rank = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    job = (
+        "import os, signal, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True, stdout=subprocess.DEVNULL, "
+        "stderr=subprocess.DEVNULL)\n"
+        f"while not os.path.exists({str(pid_file)!r}) or not open({str(pid_file)!r}).read(): time.sleep(0.01)\n"
+        "print('warm' if 'torch' in sys.modules else 'cold', flush=True)\n"
+        "os.killpg(os.getpgrp(), signal.SIGKILL)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", job], capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert run.stdout.strip() == "warm"
+    assert _dead_or_dying(int(pid_file.read_text())), "the other rank's fork outlived the job"
+
+
+def _dead_or_dying(pid: int) -> bool:
+    """Whether `pid` can run no more code: gone, a zombie, exiting (`PF_EXITING` in its flags) or with SIGKILL
+    pending (a killed process takes a moment to be scheduled and exit)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    pending = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    sigkill = 1 << (signal.SIGKILL - 1)
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & 0x4) or any(mask & sigkill for mask in pending)
+
+
+def test_a_child_in_a_mount_namespace_of_its_own_runs_cold(warm_ready: None) -> None:
+    """A fork has the server's mounts: a child started in a mount namespace of its own (a test's node with a
+    node-local disk, `unshare -m`) would not see its own mounts in a fork."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("cannot make a mount namespace here (`unshare -m` needs root)")
+    run = subprocess.run(["unshare", "-m", sys.executable, "-c", WARM_PROBE], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "cold"

@@ -100,15 +100,23 @@ def import_environment_difference() -> str:
     return " ".join(sorted(n for n in names if warm.get(n) != os.environ.get(n)))
 
 
+def namespace_difference() -> str:
+    """The Linux namespaces (mount, network, ...) this process does not share with the warm interpreter: its fork
+    would see the server's mounts, not this process's ("" when it shares them all)."""
+    try:
+        with open(os.path.join(HERE, "namespaces.json")) as f:
+            warm = json.load(f)
+    except OSError:
+        return "no namespaces.json"
+    return " ".join(name for name, link in sorted(warm.items()) if os.readlink(f"/proc/self/ns/{name}") != link)
+
+
 def main() -> None:
-    # a child in a session of its own is one a test may kill as a process group with everything it started, which a
-    # warm child (in a session the server made) would outlive: it runs cold. torchrun starts every worker in a
-    # session of its own too, and kills only that worker through it: those stay warm (the client dying or
-    # forwarding the signal is the same). Anything asked to runs cold (LIGHTNING_TRN_TEST_COLD=1).
+    # a child in a session of its own (a job a test or the job itself kills as a process group) is warm too: the
+    # fork has a session the server made, and dies with its client; a fork killed by SIGKILL takes the forks its
+    # processes started with it (`warm_python._kill_job`). Anything asked to runs cold (LIGHTNING_TRN_TEST_COLD=1).
     if os.environ.get("LIGHTNING_TRN_TEST_COLD"):
         cold("asked to")
-    if os.getsid(0) == os.getpid() and "TORCHELASTIC_RUN_ID" not in os.environ:
-        cold("own session")
     if not warm_command(sys.argv[1:], server_flags()):
         cold("command form")
     if not os.path.exists(os.path.join(HERE, "env.json")):  # the server writes it when its imports are done
@@ -116,6 +124,9 @@ def main() -> None:
     difference = import_environment_difference()
     if difference:
         cold(f"environment: {difference}")
+    difference = namespace_difference()
+    if difference:
+        cold(f"namespace: {difference}")
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(os.path.join(HERE, "sock"))
@@ -148,7 +159,8 @@ def main() -> None:
     status = int(line)
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum != signal.SIGKILL:  # which has no handler to reset
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     os._exit(os.waitstatus_to_exitcode(status))
 

@@ -60,8 +60,9 @@ PRELOAD = (
 CLIENT_SOURCE = Path(__file__).with_name("warm_client.py")
 #: one line per child forked warm (`summary` counts them; the client writes `cold.log` beside it)
 WARM_LOG = "{directory}/warm.log"
-#: beside the socket: the server's interpreter flags (the client reads them), and the site directory it adds
-FLAGS_FILE, SITE_FILE = "flags", "site"
+#: beside the socket: the server's interpreter flags and its namespaces (the client reads them), and the site
+#: directory it adds
+FLAGS_FILE, NAMESPACES_FILE, SITE_FILE = "flags", "namespaces.json", "site"
 _POLL_S = 0.01
 
 
@@ -92,6 +93,12 @@ def start(
             start_new_session=True,
         )
     return server, client
+
+
+def namespaces() -> dict[str, str]:
+    """This process's Linux namespaces (mount, network, ...): a fork has the server's, so a client in another one (a
+    test's node in a mount namespace of its own, `unshare -m`) runs cold."""
+    return {name: os.readlink(f"/proc/self/ns/{name}") for name in sorted(os.listdir("/proc/self/ns"))}
 
 
 def stop(server: subprocess.Popen) -> None:
@@ -220,6 +227,7 @@ def serve(directory: Path) -> None:
             print(f"warm_python: not preloaded: {name}: {err!r}", flush=True)
     # what a child's environment is compared with: the suite's, plus what the imports above set (torch sets
     # CUDA_MODULE_LOADING, say), which a fresh child's imports would set too
+    (directory / NAMESPACES_FILE).write_text(json.dumps(namespaces()))
     (directory / "env.json.new").write_text(json.dumps(dict(os.environ)))
     os.rename(directory / "env.json.new", directory / "env.json")
     client = str(directory / "python")
@@ -245,6 +253,26 @@ def serve(directory: Path) -> None:
                 os.killpg(pid, signal.SIGKILL)
 
 
+def _kill_job(pid: int, origins: dict[int, int]) -> None:
+    """SIGKILL fork `pid`'s process group and, first, every fork its processes started (their clients ran in its
+    group), and theirs: what killing a cold job's process group does at once, since each fork has a session of its
+    own. A rank that kills its job's group (`killpg`) kills the forks of the other ranks' clients too, before the
+    server reports the rank's death to its client."""
+    for child, origin in list(origins.items()):
+        if origin == pid and child != pid:
+            _kill_job(child, origins)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _origin(request: dict) -> int:
+    """The process group the client was started from (a fork's group where a fork launched it), or 0."""
+    try:
+        return os.getpgid(request["ppid"])
+    except OSError:
+        return 0
+
+
 def _loop(
     listener: socket.socket,
     selector: selectors.BaseSelector,
@@ -253,6 +281,7 @@ def _loop(
     client: str,
     base_path: list[str],
 ) -> None:
+    origins: dict[int, int] = {}  # fork pid -> the group its client was started from
     while os.getppid() == parent:
         for key, _ in selector.select(timeout=_POLL_S):
             if key.fileobj is listener:
@@ -280,6 +309,7 @@ def _loop(
                 with open(WARM_LOG.format(directory=os.path.dirname(client)), "a") as log:
                     log.write(f"{' '.join(request['argv'][:2])[:200]}\n")
                 forks[pid] = conn
+                origins[pid] = _origin(request)
                 with contextlib.suppress(OSError):
                     conn.sendall(f"{pid}\n".encode())
                 selector.register(conn, selectors.EVENT_READ, pid)
@@ -288,8 +318,7 @@ def _loop(
                     if key.fileobj.recv(1):
                         continue
                 selector.unregister(key.fileobj)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(key.data, signal.SIGKILL)
+                _kill_job(key.data, origins)
         while forks:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -297,6 +326,9 @@ def _loop(
                 break
             if pid == 0:
                 break
+            if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+                _kill_job(pid, origins)  # its group was killed, maybe: the forks it started go before it is reported
+            origins.pop(pid, None)
             conn = forks.pop(pid, None)
             if conn is not None:
                 with contextlib.suppress(OSError):
