@@ -7,14 +7,19 @@ the forward and the loss, Lightning's backward follows).
 AdamW, gradient clipping (active), accumulation 2 and a per-step LR schedule; 8 sequences per optimizer step in
 total whatever the mesh, so every layout computes the same steps. Writes to --out from rank 0: `run.json` (the loss
 of every batch and of every validation batch) and `weights.pt` (the full state dict at the end); with --save, a
-checkpoint after optimizer step 3 (`step=3.ckpt`, a torch.distributed.checkpoint directory).
+checkpoint after optimizer step 3 (`step=3.ckpt`, a torch.distributed.checkpoint directory); with --kill as well, the
+job then dies by SIGKILL (rank 0 kills the process group once the checkpoint is committed, as a node failure would),
+one step before its end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -190,6 +195,19 @@ def train_with_fabric(args: argparse.Namespace, data: TensorDataset) -> tuple[di
     return state, {"losses": losses}, fabric.global_rank
 
 
+def kill_after_the_save(trainer: pl.Trainer) -> None:
+    """SIGKILL the job's processes once the checkpoint is committed: `Trainer.save_checkpoint` returns on rank 0 after
+    its commit (a synchronous save)."""
+    save = trainer.save_checkpoint
+
+    def save_then_kill(*args: Any, **kwargs: Any) -> None:
+        save(*args, **kwargs)
+        if trainer.global_rank == 0:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    trainer.save_checkpoint = save_then_kill  # type: ignore[method-assign]  # wraps this Trainer's save only
+
+
 def train_with_trainer(args: argparse.Namespace, data: TensorDataset) -> tuple[dict, dict, int]:
     data_ranks = args.dp * args.replicate
     callbacks = (
@@ -211,6 +229,8 @@ def train_with_trainer(args: argparse.Namespace, data: TensorDataset) -> tuple[d
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if args.kill:
+        kill_after_the_save(trainer)
     model = PipelineModel()
     per_rank = GLOBAL_BATCH // data_ranks // ACCUMULATE
     train = DataLoader(data, batch_size=per_rank, shuffle=True)
@@ -239,6 +259,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps in all")
     parser.add_argument("--validate", action="store_true", help="2 validation batches at the end")
     parser.add_argument("--save", action="store_true", help="a checkpoint after optimizer step 3")
+    parser.add_argument("--kill", action="store_true", help="with --save: SIGKILL the job once it is committed")
     parser.add_argument("--predict", action="store_true", help="Trainer: `trainer.predict` on 8 sequences after fit")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--out", required=True)

@@ -4,15 +4,19 @@ replicate_size=...)`, Trainer and Fabric.
 `tests/scripts/pipeline_train.py` trains a 4-block token model (AdamW, active clipping, accumulation 2, a per-step
 schedule, 8 sequences per optimizer step on every layout). Each layout must end where the unsplit model ends under
 Lightning's own `ModelParallelStrategy` on the CPU in one process: every schedule (GPipe, 1F1B, Interleaved1F1B with 2
-stages per rank, ZBVZeroBubble), pipeline x FSDP2 and pipeline x tensor parallel on 4 ranks, HSDP 2 x 2; a pipeline
-checkpoint resumes on another layout. Stage tensors travel as broadcasts in 2-rank groups (the stand-in refuses
+stages per rank, ZBVZeroBubble), pipeline x FSDP2 and pipeline x tensor parallel on 4 ranks, HSDP 2 x 2. The
+pipeline x FSDP2 job (GPipe) is killed (SIGKILL) right after its checkpoint of step 3 and resumed without stages: it
+ends where the uninterrupted run ends. Stage tensors travel as broadcasts in 2-rank groups (the stand-in refuses
 send/recv, as TorchNeuron's source snapshot has none).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,18 +42,31 @@ WEIGHT_TOLERANCE = {"": 2e-5, "tp": 1e-4}
 RUN_TIMEOUT_S = 240
 
 
-def _run(out: Path, *args: str) -> dict:
-    """Run the script (Lightning or Fabric launches its processes); rank 0's record and the gathered weights."""
+def _run(out: Path, *args: str, killed: bool = False) -> dict:
+    """Run the script (Lightning or Fabric launches its processes); rank 0's record and the gathered weights.
+    `killed`: the job must end by its own SIGKILL (`--kill`), in a session of its own, which its kill takes down
+    (else the kill point was never reached and nothing was tested); it leaves no record."""
     out.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--out", str(out), *args],
         env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"),
         cwd=out,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=RUN_TIMEOUT_S,
+        start_new_session=killed,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    try:
+        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the other ranks, if any is left
+        else:
+            proc.kill()
+    assert proc.returncode == (-signal.SIGKILL if killed else 0), stderr[-3000:]
+    if killed:
+        return {}
     return {**json.loads((out / "run.json").read_text()), "weights": torch.load(out / "weights.pt")}
 
 
@@ -65,17 +82,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _run(tmp_path_factory.mktemp("reference"), "--accelerator", "cpu", "--validate", "--predict")
 
 
-@pytest.fixture(scope="module")
-def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """2 stages on 2 ranks, 1F1B, with validation, a checkpoint after optimizer step 3 and `trainer.predict`."""
-    out = tmp_path_factory.mktemp("1f1b")
-    return _run(out, "--pp", "2", "--validate", "--save", "--predict"), out / "step=3.ckpt"
-
-
-def test_1f1b_equals_the_unsplit_run(one_f_one_b: tuple[dict, Path], reference: dict) -> None:
-    """The loss of every batch (reported from the last stage to rank 0), the validation losses and the predictions
-    (forward-only schedule; the last stage's logits handed to rank 0) and the final weights of both stages."""
-    run, _ = one_f_one_b
+def test_1f1b_equals_the_unsplit_run(tmp_path: Path, reference: dict) -> None:
+    """2 stages on 2 ranks, 1F1B, with validation and `trainer.predict`: the loss of every batch (reported from the
+    last stage to rank 0), the validation losses and the predictions (forward-only schedule; the last stage's logits
+    handed to rank 0) and the final weights of both stages."""
+    run = _run(tmp_path, "--pp", "2", "--validate", "--predict")
     torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(run["val_losses"], reference["val_losses"], rtol=1e-5, atol=0)
     assert len(run["predictions"]) == 2
@@ -87,7 +98,6 @@ def test_1f1b_equals_the_unsplit_run(one_f_one_b: tuple[dict, Path], reference: 
 @pytest.mark.parametrize(
     ("layout", "arguments"),
     [
-        ("pp2 x fsdp2, GPipe", ["--pp", "2", "--dp", "2", "--schedule", "GPipe"]),
         ("pp2 x tp2, Interleaved1F1B", ["--pp", "2", "--tp", "2", "--schedule", "Interleaved1F1B"]),
         ("hsdp 2 x 2", ["--replicate", "2", "--dp", "2"]),
         ("fabric pp2, ZBVZeroBubble", ["--api", "fabric", "--pp", "2", "--schedule", "ZBVZeroBubble"]),
@@ -102,13 +112,14 @@ def test_layout_equals_the_unsplit_run(tmp_path: Path, reference: dict, layout: 
         torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0)
 
 
-def test_pipeline_checkpoint_resumes_on_another_layout(
-    tmp_path: Path, one_f_one_b: tuple[dict, Path], reference: dict
-) -> None:
-    """Saved by 2 stages after step 3 (each rank its stages' parameters, under the unsplit model's names), resumed
-    without stages with FSDP2 on 2 ranks: the run ends where the uninterrupted one does; consolidated, it is one
-    file of the unsplit model that a plain LightningModule loads."""
-    _, checkpoint = one_f_one_b
+def test_pipeline_job_killed_mid_run_resumes_on_another_layout(tmp_path: Path, reference: dict) -> None:
+    """2 stages x FSDP2 on 4 ranks (GPipe) killed right after its checkpoint of step 3 (each rank its shards of its
+    stage's parameters, under the unsplit model's names), resumed without stages with FSDP2 on 2 ranks: the run ends
+    where the uninterrupted one does (so the stages' 3 steps were the unsplit model's too); consolidated, the
+    checkpoint is one file of the unsplit model that a plain LightningModule loads."""
+    layout = ("--pp", "2", "--dp", "2", "--schedule", "GPipe")
+    _run(tmp_path / "killed", *layout, "--save", "--kill", killed=True)
+    checkpoint = tmp_path / "killed" / "step=3.ckpt"
     resumed = _run(tmp_path / "resumed", "--dp", "2", "--resume", str(checkpoint))
     assert len(resumed["losses"]) == (4 - 3) * 2  # the batches after step 3
     _assert_same_weights(resumed, reference)
@@ -147,6 +158,55 @@ def test_split_gives_the_first_stage_the_embedding_and_the_last_the_head() -> No
     assert parts[1].embedding is None and [n for n, _ in parts[1].named_modules()] == ["", "layers", "layers.3"]
     with pytest.raises(ValueError, match="5 layers in `layers` cannot fill 6 stages"):
         pipeline.stage_contents(Net(), 6)
+
+
+def test_a_nested_stack_splits_at_each_level_and_stateless_modules_stay_on_every_stage() -> None:
+    """Hugging Face's layout (`layers="net.model.layers"`): modules before the path go to the first stage and after it
+    to the last at each level, the rotary embedding (a buffer outside the state dict) to every stage; a rank's model
+    and each of its stages' views keep the unsplit names."""
+
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(4, 2)
+            self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+            self.norm = nn.LayerNorm(2)
+            self.rotary = Rotary()
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Inner()
+            self.head = nn.Linear(2, 4)
+
+    wrapper = nn.Module()
+    wrapper.net = Outer()
+    assert pipeline.stage_contents(wrapper, 2, "net.model.layers") == [
+        ["net.model.embed", "net.model.layers.0", "net.model.layers.1", "net.model.rotary"],
+        ["net.model.layers.2", "net.model.layers.3", "net.model.norm", "net.model.rotary", "net.head"],
+    ]
+    names = {name for name, _ in wrapper.named_parameters()}
+    stages, parts = pipeline.split_for_rank(wrapper, "Interleaved1F1B", 1, 2, 2, "net.model.layers")
+    assert stages == [1, 3]  # of 4: layers 1 and 3; the last stage holds the norm and the head
+    assert {name for name, _ in wrapper.named_parameters()} == {
+        name for name in names if name.startswith(("net.model.layers.1.", "net.model.layers.3.", "net.model.norm."))
+    } | {"net.head.weight", "net.head.bias"}
+    assert [n for n, _ in parts[0].named_modules()] == [
+        "",
+        "net",
+        "net.model",
+        "net.model.layers",
+        "net.model.layers.1",
+        "net.model.rotary",
+    ]
+    assert parts[1].net.head is wrapper.net.head and parts[0].net.head is None and parts[0].net.model.norm is None
+    with pytest.raises(ValueError, match=r"`model.net.model.norm` is not a ModuleList or ModuleDict of layers"):
+        pipeline.stage_contents(Outer(), 2, "net.model.norm")
 
 
 def test_v_schedules_put_the_first_and_last_stages_on_rank_0() -> None:
@@ -234,13 +294,3 @@ def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 2 steps on 4 ranks" in result.stdout
-
-
-def test_the_estimator_refuses_pipeline_stages_with_what_to_do_instead() -> None:
-    from lightning_trn import NeuronModelParallelStrategy
-    from lightning_trn.estimate.patches import EstimateError
-    from lightning_trn.estimate.simulation import estimate
-
-    strategy = NeuronModelParallelStrategy(pipeline_parallel_size=2)
-    with pytest.raises(EstimateError, match="does not simulate pipeline stages yet"):
-        estimate(nn.Linear, None, strategy=strategy, devices=2)

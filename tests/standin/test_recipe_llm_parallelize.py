@@ -145,3 +145,50 @@ def test_replicate_size_is_refused_in_one_line(overrides: tuple[str, ...], expec
         llm.trainer_args(cli.load_config(llm.RECIPE, [*HSDP_JOB, *overrides]))
     message = str(refused.value)
     assert expected in message and "\n" not in message, message
+
+
+def test_pipeline_parallel_size_gives_the_strategy_stages() -> None:
+    """`model.pipeline_parallel_size=2` on 2 nodes of 2: the plugin's strategy with 2 stages of 2-way FSDP2, the
+    config's schedule and microbatches (tests/standin/test_recipe_llm_strategies_native.py trains it)."""
+    from lightning_trn import NeuronModelParallelStrategy
+
+    stages = ("model.pipeline_parallel_size=2", "model.pipeline_schedule=GPipe", "model.pipeline_microbatches=4")
+    strategy = llm.trainer_args(cli.load_config(llm.RECIPE, [*HSDP_JOB, *stages]))["strategy"]
+    assert isinstance(strategy, NeuronModelParallelStrategy)
+    pipelining = strategy._pipelining
+    assert (pipelining.size, strategy._data_parallel_size, pipelining.schedule, pipelining.microbatches) == (
+        2,
+        2,
+        "GPipe",
+        4,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ("model.tensor_parallel_size=2",),
+            "model.pipeline_parallel_size=2 does not run with model.tensor_parallel_size=2: the recipe's pipeline "
+            "stages take FSDP2 (and HSDP) within each stage only, and train from scratch. Use "
+            "model.pipeline_parallel_size=1",
+        ),
+        (("model.pretrained=folder",), "model.pipeline_parallel_size=2 does not run with model.pretrained=folder"),
+        (("trainer.strategy=fsdp",), "model.pipeline_parallel_size=2 needs trainer.strategy=model_parallel"),
+        (
+            ("model.pipeline_schedule=Looped",),
+            "model.pipeline_schedule='Looped': expected a value GPipe, 1F1B, Interleaved1F1B or ZBVZeroBubble",
+        ),
+        (
+            ("trainer.devices=3", "trainer.num_nodes=1"),
+            "divisible by model.tensor_parallel_size=1 x model.replicate_size=1 x model.pipeline_parallel_size=2.",
+        ),
+    ],
+)
+def test_pipeline_parallel_size_is_refused_in_one_line(overrides: tuple[str, ...], expected: str) -> None:
+    """What the recipe does not run with stages (tensor parallel, a pretrained folder, LoRA with it, another
+    strategy, an unknown schedule, a world the stages do not divide): one line naming the key and what to do."""
+    with pytest.raises(ValueError) as refused:
+        llm.trainer_args(cli.load_config(llm.RECIPE, [*HSDP_JOB, "model.pipeline_parallel_size=2", *overrides]))
+    message = str(refused.value)
+    assert expected in message and "\n" not in message, message

@@ -3,7 +3,9 @@
 - `trainer.strategy=fsdp` (one FSDP unit per decoder layer) on two devices ends with the weights and validation/test
   losses of one unsharded device on the same global batch;
 - a job checkpointing mid-epoch (`ckpt_every_n_steps`), killed after its first checkpoint and restarted with
-  `ckpt_path=`, ends bitwise equal to the uninterrupted job (shuffle position, LR schedule, optimizer state).
+  `ckpt_path=`, ends bitwise equal to the uninterrupted job (shuffle position, LR schedule, optimizer state);
+- `model.pipeline_parallel_size=2` (two stages of one decoder layer each, on two devices) ends like the same
+  `trainer.strategy=model_parallel` job on one device, and its checkpoint is the unsplit model's.
 
 For FSDP the reference is one device under `neuron_ddp`: like FSDP, a distributed strategy, so Lightning draws the
 training order with `DistributedSampler(shuffle=True, seed=seed)` in both runs, and two ranks of batch 4 (`perm[r::2]`)
@@ -18,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_trn.recipes.llm import CausalLM
 from tests.recipe_runs import (
     RESUMABLE,
     TINY_LLM,
     assert_ends_alike,
     assert_ends_identically,
     kill_after_first_checkpoint,
+    left_behind,
     run,
 )
 
@@ -80,3 +84,28 @@ def test_a_job_killed_mid_epoch_and_restarted_ends_as_the_uninterrupted_job(tmp_
     ckpt = kill_after_first_checkpoint("llm", tmp_path / "b", *TINY_LLM, *RESUMABLE, env=_env())
     resumed = run("llm", tmp_path / "b", *TINY_LLM, *RESUMABLE, f"ckpt_path={ckpt}", env=_env())
     assert_ends_identically(resumed, expected)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_end_like_one_device(tmp_path: Path) -> None:
+    """Both ranks read the same batches (one data-parallel rank), as the one device does: the same losses every step
+    (the last stage's, logged on every rank), evaluation and weights within float tolerance. The stages' checkpoint,
+    consolidated, is the unsplit model's: every weight under its name (strictly loadable into `CausalLM` without
+    stages), and AdamW's state at the positions of the one-device run's param groups (matrices, vectors)."""
+    job = (*TINY_LLM, "trainer.strategy=model_parallel")
+    one = run("llm", tmp_path / "one", *job, "trainer.devices=1", env=_env(), metrics=METRICS)
+    stages = run(
+        "llm", tmp_path / "pp", *job, "trainer.devices=2", "model.pipeline_parallel_size=2", env=_env(), metrics=METRICS
+    )
+    assert_ends_alike(stages, one, TOLERANCE)
+    losses = [left_behind(tmp_path / out, ("train_loss",))["metrics"]["train_loss"] for out in ("pp", "one")]
+    assert len(losses[1]) == 6
+    assert losses[0] == pytest.approx(losses[1], rel=TOLERANCE)
+    CausalLM(**stages["ckpt"]["hyper_parameters"]).load_state_dict(stages["ckpt"]["state_dict"])
+    saved, reference = stages["ckpt"]["optimizer_states"][0], one["ckpt"]["optimizer_states"][0]
+    assert [group["params"] for group in saved["param_groups"]] == [
+        group["params"] for group in reference["param_groups"]
+    ]
+    for index, state in reference["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(saved["state"][index][key], state[key], atol=TOLERANCE, rtol=0)

@@ -9,10 +9,12 @@ the loss, and Lightning's backward follows as usual, so one LightningModule serv
 
 The split follows TorchTitan's convention for Llama: the model's direct children registered before its stack of
 layers (the embedding) go to the first stage, the layers are divided evenly (earlier stages take one more where they
-do not divide), the children after the stack (norm, head) go to the last stage. A child a rank does not hold is
-None, and a layer it does not hold is missing from the stack (a `ModuleList` or `ModuleDict` that keeps the other
-layers' names), so the model's `forward` must skip what it lacks (`x = self.embedding(x) if self.embedding is not
-None else x`, a loop over the layers it has), as TorchTitan's models do.
+do not divide), the children after the stack (norm, head) go to the last stage. A stack nested deeper (`layers=
+"model.layers"`, Hugging Face's causal LMs) is split the same way at each level of its path, and modules without
+state (rotary embeddings) stay on every stage. A child a rank does not hold is None, and a layer it does not hold is
+missing from the stack (a `ModuleList` or `ModuleDict` that keeps the other layers' names), so the model's `forward`
+must skip what it lacks (`x = self.embedding(x) if self.embedding is not None else x`, a loop over the layers it
+has), as TorchTitan's models do (the LLM recipe's `StageLM` does it for Hugging Face's).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module, ModuleDict, ModuleList
+
+from lightning_trn.core.parallel.model_parallel import _unwrapped_name
 
 #: schedules with one stage per rank; the others run `stages_per_rank` stages on each rank
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -52,8 +56,13 @@ def stage_rank(schedule: str, stage: int, ranks: int, stages_per_rank: int) -> i
 
 
 def _layers_name(model: Module, layers: str | None) -> str:
+    """The dotted path of the stack of layers in `model`, checked to be a ModuleList or ModuleDict."""
     if layers is not None:
-        if not isinstance(getattr(model, layers, None), (ModuleList, ModuleDict)):
+        try:
+            stack = model.get_submodule(layers)
+        except AttributeError:
+            stack = None
+        if not isinstance(stack, (ModuleList, ModuleDict)):
             raise ValueError(f"pipeline_split: `model.{layers}` is not a ModuleList or ModuleDict of layers.")
         return layers
     stacks = [name for name, child in model.named_children() if isinstance(child, (ModuleList, ModuleDict))]
@@ -65,56 +74,87 @@ def _layers_name(model: Module, layers: str | None) -> str:
     return stacks[0]
 
 
+def _holds_no_state(module: Module) -> bool:
+    """No parameters and nothing in its state dict: a module (rotary embeddings, an activation) every stage may keep
+    without changing what the stages' checkpoints hold."""
+    return next(module.parameters(), None) is None and not module.state_dict()
+
+
 def stage_contents(model: Module, num_stages: int, layers: str | None = None) -> list[list[str]]:
-    """The names of `model`'s parts each stage holds: direct children by name, layers as `<stack>.<key>` (the
-    split TorchTitan's `generate_llm_fqn_per_model_part` makes, with layers divided evenly)."""
-    stack_name = _layers_name(model, layers)
-    names = [name for name, _ in model.named_children()]
-    keys = list(getattr(model, stack_name)._modules)
+    """The names of `model`'s parts each stage holds: modules beside the stack by dotted name, layers as
+    `<stack>.<key>` (the split TorchTitan's `generate_llm_fqn_per_model_part` makes, with layers divided evenly).
+
+    At each level of the stack's path (`model.layers` in a Hugging Face causal LM: the stack inside `model`, beside
+    `lm_head`), the modules registered before the path go to the first stage and those after it to the last; a
+    module that holds no state (`_holds_no_state`: rotary embeddings, which every layer reads) goes to every stage."""
+    stack_path = _layers_name(model, layers)
+    keys = list(model.get_submodule(stack_path)._modules)
     if len(keys) < num_stages:
         raise ValueError(
-            f"pipeline_split: {len(keys)} layers in `{stack_name}` cannot fill {num_stages} stages: every stage needs "
+            f"pipeline_split: {len(keys)} layers in `{stack_path}` cannot fill {num_stages} stages: every stage needs "
             "at least one layer. Use fewer stages (pipeline_parallel_size x stages per rank)."
         )
-    position = names.index(stack_name)
+    before: list[str] = []
+    after: list[str] = []
+    module, prefix = model, ""
+    for step in stack_path.split("."):
+        names = [name for name, _ in module.named_children()]
+        position = names.index(step)
+        before += [prefix + name for name in names[:position]]
+        after[:0] = [prefix + name for name in names[position + 1 :]]  # inner levels' first: the order they run
+        module, prefix = module.get_submodule(step), f"{prefix}{step}."
+    everywhere = {name for name in (*before, *after) if _holds_no_state(model.get_submodule(name))}
     per_stage, extra = divmod(len(keys), num_stages)
     contents: list[list[str]] = []
     start = 0
     for stage in range(num_stages):
         count = per_stage + (1 if stage < extra else 0)
-        stage_layers = [f"{stack_name}.{key}" for key in keys[start : start + count]]
+        stage_layers = [f"{stack_path}.{key}" for key in keys[start : start + count]]
         start += count
-        before = names[:position] if stage == 0 else []
-        after = names[position + 1 :] if stage == num_stages - 1 else []
-        contents.append([*before, *stage_layers, *after])
+        first, last = stage == 0, stage == num_stages - 1
+        contents.append(
+            [
+                *(name for name in before if first or name in everywhere),
+                *stage_layers,
+                *(name for name in after if last or name in everywhere),
+            ]
+        )
     return contents
 
 
-def _keep(model: Module, stack_name: str, held: set[str]) -> None:
-    """Drop from `model` (in place) what `held` does not name: children become None, layers leave the stack (whose
-    other layers keep their names)."""
-    for name in list(model._modules):
-        if name == stack_name:
-            stack = model._modules[name]
-            assert stack is not None
-            for key in list(stack._modules):
-                if f"{stack_name}.{key}" not in held:
-                    del stack._modules[key]
-        elif name not in held:
-            model._modules[name] = None
+def _keep(model: Module, stack_path: str, held: set[str]) -> None:
+    """Drop from `model` (in place) what `held` does not name: modules beside the stack's path become None, layers
+    leave the stack (whose other layers keep their names)."""
+    module, prefix = model, ""
+    for step in stack_path.split("."):
+        for name in list(module._modules):
+            if name != step and prefix + name not in held:
+                module._modules[name] = None
+        child = module._modules[step]
+        assert child is not None
+        module, prefix = child, f"{prefix}{step}."
+    for key in list(module._modules):
+        if prefix + key not in held:
+            del module._modules[key]
 
 
-def _part(model: Module, stack_name: str, held: set[str]) -> Module:
-    """A view of `model` holding only `held`: a shallow copy sharing the submodules (so the parameters and their
-    names in `model` stay one), for a rank that runs several stages."""
-    part = copy.copy(model)
-    part._modules = dict(model._modules)
-    stack = model._modules[stack_name]
-    assert stack is not None
-    view = copy.copy(stack)
-    view._modules = dict(stack._modules)
-    part._modules[stack_name] = view
-    _keep(part, stack_name, held)
+def _shallow_copy(module: Module) -> Module:
+    """A copy of `module` sharing its submodules, whose own list of them can change without changing `module`'s."""
+    view = copy.copy(module)
+    view._modules = dict(module._modules)
+    return view
+
+
+def _part(model: Module, stack_path: str, held: set[str]) -> Module:
+    """A view of `model` holding only `held`, for a rank that runs several stages: shallow copies of `model` and of
+    the modules down the stack's path, sharing every other submodule (so the parameters and their names in `model`
+    stay one)."""
+    part = module = _shallow_copy(model)
+    for step in stack_path.split("."):
+        child = module._modules[step]
+        assert child is not None
+        module._modules[step] = module = _shallow_copy(child)
+    _keep(part, stack_path, held)
     return part
 
 
@@ -231,7 +271,8 @@ def pipeline_split(
         model: the model to split, in place; its `forward` skips the children and layers it lacks (see above).
         loss_fn: `(output, target) -> loss` of one microbatch (a mean over its samples).
         strategy: `self.trainer.strategy` in a LightningModule, `fabric.strategy` with Fabric.
-        layers: the name of the stack of layers (a ModuleList or ModuleDict child); None: the only such child.
+        layers: the stack of layers (a ModuleList or ModuleDict), by dotted path (`"model.layers"` in a Hugging Face
+            causal LM); None: the model's only such child.
     """
     split = getattr(strategy, "_pipeline_for", None)
     if split is None or getattr(strategy, "pipeline_parallel_size", 1) == 1:
@@ -247,11 +288,11 @@ def split_for_rank(
     stages = stages_of_rank(schedule, rank, ranks, stages_per_rank)
     total = ranks * (1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank)
     contents = stage_contents(model, total, layers)
-    stack_name = _layers_name(model, layers)
-    _keep(model, stack_name, {name for stage in stages for name in contents[stage]})
+    stack_path = _layers_name(model, layers)
+    _keep(model, stack_path, {name for stage in stages for name in contents[stage]})
     if len(stages) == 1:
         return stages, [model]
-    return stages, [_part(model, stack_name, set(contents[stage])) for stage in stages]
+    return stages, [_part(model, stack_path, set(contents[stage])) for stage in stages]
 
 
 def check_schedule(schedule: str, stages_per_rank: int) -> None:
@@ -334,6 +375,8 @@ class Pipelining:
         self.stage_group: dist.ProcessGroup | None = None
         self._device: torch.device | None = None
         self._ran_backward = False
+        #: this rank's stage indices and the modules that run them, once `split` made them
+        self._stage_parts: list[tuple[int, Module]] = []
 
     def setup(self, mesh: Any, device: torch.device, backend: str | None) -> None:
         """Create the pipeline groups of the mesh (every process all of them, in one order) and keep this rank's."""
@@ -364,6 +407,25 @@ class Pipelining:
         """The group over which gradient norms are combined (the stages' ranks), None without stages."""
         return self._mesh["pipeline_parallel"].get_group() if self._mesh is not None else None
 
+    def complete_param_groups(self, state: dict[str, Any], module: Module) -> dict[str, Any]:
+        """`state`, an optimizer state of `get_optimizer_state_dict` (parameters by name in `module`), with its
+        `param_groups` listing every stage's parameters, in the unsplit model's order: a checkpoint keeps one rank's
+        groups, and one consolidated into a file (`load_consolidated`, the recipes' `export`) needs the position of
+        every parameter in its group. Without stages, or before the split, `state` as it is."""
+        if self.size == 1 or not self._stage_parts:
+            return state
+        names = {id(parameter): _unwrapped_name(name) for name, parameter in module.named_parameters()}
+        held = [(stage, names[id(p)]) for stage, part in self._stage_parts for p in part.parameters() if id(p) in names]
+        groups = [list(group["params"]) for group in state["param_groups"]]
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, (held, groups), group=self._mesh["pipeline_parallel"].get_group())
+        # a stage's parameters come in its module's order, and stages follow the model
+        order = [name for _, name in sorted((pair for pairs, _ in gathered for pair in pairs), key=lambda p: p[0])]
+        for index, group in enumerate(state["param_groups"]):
+            listed = {name for _, rank_groups in gathered for name in rank_groups[index]}
+            group["params"] = [name for name in order if name in listed]
+        return state
+
     def take_backward(self) -> bool:
         """Whether the last `Pipeline.step` ran the backward of the batch (once: the flag is cleared)."""
         ran, self._ran_backward = self._ran_backward, False
@@ -385,6 +447,7 @@ class Pipelining:
         assert device is not None and self._group is not None
         pipeline_rank = mesh["pipeline_parallel"].get_local_rank()
         stages, parts = split_for_rank(model, self.schedule, pipeline_rank, self.size, self.stages_per_rank, layers)
+        self._stage_parts = list(zip(stages, parts, strict=True))
         last = stage_rank(self.schedule, self.num_stages - 1, self.size, self.stages_per_rank)
         group, report_group = self._group, mesh["pipeline_parallel"].get_group()
 

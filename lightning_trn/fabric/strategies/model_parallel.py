@@ -191,7 +191,8 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
             if isinstance(obj, Module):
                 shards[key] = get_model_state_dict(obj, options=options)
             elif isinstance(obj, Optimizer):
-                shards[key] = get_optimizer_state_dict(modules[0], obj, options=options)
+                optimizer_state = get_optimizer_state_dict(modules[0], obj, options=options)
+                shards[key] = self._pipelining.complete_param_groups(optimizer_state, modules[0])
             else:
                 meta[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
         if self.global_rank == 0:

@@ -146,6 +146,16 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         return self._pipelining.split(model, loss_fn, layers, loss_scale=lambda: 1.0 / accumulation)
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Lightning's, with the param groups of every pipeline stage in a sharded checkpoint
+        (`Pipelining.complete_param_groups`)."""
+        state = super().optimizer_state(optimizer)
+        if not self._save_distributed_checkpoint:
+            return state
+        assert self.model is not None
+        return self._pipelining.complete_param_groups(state, self.model)
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward, except for a batch whose pipeline step ran its backward already: then only the
         hooks around it run."""

@@ -5,9 +5,9 @@ trained at run time. `python -m recipes.llm --help`; `python -m recipes.llm pres
 `python -m recipes.llm model.pretrained=DIR data.source=rows.jsonl` fine-tunes such a folder.
 
 One module per part, as TorchTitan lays out a model: `config` (schema and presets), `data` (tokenizer, documents,
-packing), `sft` (fine-tuning rows), `model` (`CausalLM`, its metric, mask and meta-device initialization),
-`parallelize` (tensor parallel, activation checkpointing, FSDP2), `lora` (PEFT adapters), `export` (the Hugging Face
-folder). This module reads the config and assembles them into `RECIPE`.
+packing), `sft` (fine-tuning rows), `model` (`CausalLM`, its metric, mask, pipeline stages and meta-device
+initialization), `parallelize` (tensor parallel, activation checkpointing, FSDP2), `lora` (PEFT adapters), `export`
+(the Hugging Face folder). This module reads the config and assembles them into `RECIPE`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,15 @@ from lightning_trn.recipes.llm.data import (
 )
 from lightning_trn.recipes.llm.export import export
 from lightning_trn.recipes.llm.lora import check_config, lora_hparams
-from lightning_trn.recipes.llm.model import CausalLM, TokenMean, causal_mask, eager_init_steps, pretrained_model
+from lightning_trn.recipes.llm.model import (
+    CausalLM,
+    StageLM,
+    TokenMean,
+    causal_mask,
+    eager_init_steps,
+    pipeline_llm,
+    pretrained_model,
+)
 from lightning_trn.recipes.llm.parallelize import apply_ac, apply_compile, apply_fsdp, apply_tp, parallelize
 from lightning_trn.recipes.llm.sft import sft_datamodule
 
@@ -51,6 +59,7 @@ __all__ = [
     "LlmData",
     "LlmModel",
     "LoraSettings",
+    "StageLM",
     "TokenMean",
     "allow_block_graphs",
     "apply_ac",
@@ -58,6 +67,7 @@ __all__ = [
     "apply_fsdp",
     "apply_tp",
     "build_model",
+    "check_pipeline",
     "causal_mask",
     "eager_init_steps",
     "encode_documents",
@@ -66,6 +76,7 @@ __all__ = [
     "load_documents",
     "pack",
     "parallelize",
+    "pipeline_llm",
     "pretrained_model",
     "pretrained_tokenizer",
     "sequences_in_batch",
@@ -163,33 +174,42 @@ def allow_block_graphs(cfg: DictConfig) -> None:
 
 def trainer_args(cfg: DictConfig) -> dict[str, Any]:
     """`trainer.strategy=model_parallel`: Lightning's `ModelParallelStrategy` with `model.tensor_parallel_size`
-    devices per tensor-parallel group and the rest FSDP2 (native backend); with `model.replicate_size` > 1 the
-    plugin's `NeuronModelParallelStrategy` (Lightning's has no replicate dimension): HSDP, that many replicas with
-    FSDP2 within each; `fsdp`: Lightning's `FSDPStrategy` sharding each decoder layer, writing sharded checkpoints
-    as `strategy="fsdp"` does; `neuron_zero1` with `zero1_state_dict_type=sharded`: ZeRO-1 writing sharded
-    checkpoints. Other strategies go to the Trainer as they are."""
+    devices per tensor-parallel group and the rest FSDP2 (native backend); with `model.replicate_size` > 1 or
+    `model.pipeline_parallel_size` > 1 the plugin's `NeuronModelParallelStrategy` (Lightning's has neither dimension):
+    HSDP, that many replicas with FSDP2 within each, and pipeline stages (`check_pipeline`); `fsdp`: Lightning's
+    `FSDPStrategy` sharding each decoder layer, writing sharded checkpoints as `strategy="fsdp"` does; `neuron_zero1`
+    with `zero1_state_dict_type=sharded`: ZeRO-1 writing sharded checkpoints. Other strategies go to the Trainer as
+    they are."""
     strategy = cfg.trainer.get("strategy", "auto")
-    tp, replicas = cfg.model.tensor_parallel_size, cfg.model.replicate_size
+    m = cfg.model
+    tp, replicas, stages = m.tensor_parallel_size, m.replicate_size, m.pipeline_parallel_size
     if strategy in _MODEL_PARALLEL:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-        if not isinstance(devices, int) or (devices * nodes) % (tp * replicas):
+        if not isinstance(devices, int) or (devices * nodes) % (tp * replicas * stages):
             raise ValueError(
                 f"trainer.strategy={strategy} needs trainer.devices (an integer; here {devices!r}) x "
-                f"num_nodes divisible by model.tensor_parallel_size={tp} x model.replicate_size={replicas}."
+                f"num_nodes divisible by model.tensor_parallel_size={tp} x model.replicate_size={replicas}"
+                + (f" x model.pipeline_parallel_size={stages}." if stages > 1 else ".")
             )
-        data = devices * nodes // (tp * replicas)
-        if replicas == 1:
+        data = devices * nodes // (tp * replicas * stages)
+        if replicas == 1 and stages == 1:
             return {"strategy": ModelParallelStrategy(data_parallel_size=data, tensor_parallel_size=tp)}
         from lightning_trn import NeuronModelParallelStrategy
 
+        check_pipeline(cfg)
         return {
             "strategy": NeuronModelParallelStrategy(
-                data_parallel_size=data, tensor_parallel_size=tp, replicate_size=replicas
+                data_parallel_size=data,
+                tensor_parallel_size=tp,
+                replicate_size=replicas,
+                pipeline_parallel_size=stages,
+                pipeline_schedule=m.pipeline_schedule,
+                pipeline_microbatches=m.pipeline_microbatches,
             )
         }
-    for key, size in (("tensor_parallel_size", tp), ("replicate_size", replicas)):
+    for key, size in (("tensor_parallel_size", tp), ("replicate_size", replicas), ("pipeline_parallel_size", stages)):
         if size != 1:
             raise ValueError(f"model.{key}={size} needs trainer.strategy=model_parallel (here {strategy!r}).")
     if strategy == "neuron_zero1" and cfg.zero1_state_dict_type == "sharded":
@@ -204,6 +224,23 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
         # object's own default is one file gathered on rank 0)
         return {"strategy": FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, state_dict_type="sharded")}
     return {}
+
+
+def check_pipeline(cfg: DictConfig) -> None:
+    """Refuse, with what to do instead, what the recipe does not run with pipeline stages: tensor parallel (its plan
+    keeps the activations between decoder layers as DTensors, which stages do not exchange) and a pretrained folder
+    (its weights are read after the split, which `load_pretrained` has not been proven on)."""
+    m = cfg.model
+    if m.pipeline_parallel_size == 1:
+        return
+    if m.tensor_parallel_size > 1 or m.pretrained:
+        key, value = ("pretrained", m.pretrained) if m.pretrained else ("tensor_parallel_size", m.tensor_parallel_size)
+        raise ValueError(
+            f"model.pipeline_parallel_size={m.pipeline_parallel_size} does not run with model.{key}={value}: the"
+            " recipe's pipeline stages take FSDP2 (and HSDP) within each stage only, and train from scratch. Use"
+            " model.pipeline_parallel_size=1 for tensor parallel or a pretrained model (LoRA included), or drop the"
+            " setting to keep the stages."
+        )
 
 
 def summary(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:

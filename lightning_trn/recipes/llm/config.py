@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_trn.core.parallel.pipeline import SCHEDULES
 from lightning_trn.recipes.common import FRACTION, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, RecipeConfig, doc
 
 #: `preset=NAME`: overrides applied before the command line's, sized for real hardware and checked with
@@ -174,6 +175,22 @@ class LlmModel:
         " FSDP2 shards within a replica and gradients are reduced over all of them (devices x num_nodes must be a"
         " multiple of replicate_size x tensor_parallel_size); 1: plain FSDP2 over every data-parallel rank",
         POSITIVE,
+    )
+    pipeline_parallel_size: int = doc(
+        "with trainer.strategy=model_parallel: pipeline stages, the decoder layers divided evenly over them (the"
+        " embedding with the first, the final norm and output projection with the last), FSDP2 within each stage;"
+        " not with tensor_parallel_size > 1 or model.pretrained; 1: no stages",
+        POSITIVE,
+    )
+    pipeline_schedule: str = doc(
+        "with pipeline_parallel_size > 1: GPipe | 1F1B (one stage per rank) | Interleaved1F1B | ZBVZeroBubble (two"
+        " stages per rank)",
+        (lambda v: v in SCHEDULES, f"{', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}"),
+    )
+    pipeline_microbatches: int | None = doc(
+        "with pipeline_parallel_size > 1: microbatches each batch is split into (data.batch_size a multiple of"
+        " it); null: the number of stages",
+        (lambda v: v is None or v > 0, "greater than 0 or null"),
     )
     lr: float = doc("AdamW peak learning rate", POSITIVE)
     weight_decay: float = doc("AdamW weight decay of the matrices (none on norms and other vectors)", NON_NEGATIVE)

@@ -1,6 +1,6 @@
 """The LLM recipe's LightningModule (`CausalLM`: a Llama-architecture model, its loss, metrics and optimizer), its
-token-weighted metric, the causal mask built on the device, and the eager initialization replayed on a model built on
-the meta device."""
+token-weighted metric, the causal mask built on the device, the model's split into pipeline stages (`pipeline_llm`),
+and the eager initialization replayed on a model built on the meta device."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torchmetrics import Metric
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 from typing_extensions import override
 
+from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, pipeline_split
 from lightning_trn.hooks.throughput import tensor_parallel_size
 from lightning_trn.recipes.llm.data import IGNORE_INDEX, SPECIAL_TOKENS, pretrained_tokenizer, wrap_tokenizer
 from lightning_trn.recipes.llm.lora import add_adapters, base_layers, init_adapters
@@ -65,6 +66,55 @@ def causal_mask(seq_len: int, attn_implementation: str, dtype: torch.dtype, devi
     if attn_implementation != "eager":
         return keep
     return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def causal_lm_logits(
+    net: LlamaForCausalLM, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`net`'s next-token logits (batch, seq_len, vocab) of packed, causal blocks, from token ids or from hidden states
+    (`inputs_embeds`: what a later pipeline stage takes, `StageLM`)."""
+    given = input_ids if input_ids is not None else inputs_embeds
+    assert given is not None
+    mask = causal_mask(given.shape[1], net.config._attn_implementation, net.dtype, given.device)
+    return net(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, use_cache=False).logits
+
+
+class StageLM(torch.nn.Module):
+    """The forward of a pipeline stage of a Hugging Face causal LM (`net`) that `pipeline_split` pruned to the stage's
+    modules (`pipeline_llm`): the first stage takes token ids, a later one the previous stage's hidden states, which
+    Hugging Face's model takes as `inputs_embeds` (it embeds only without them); a stage without the final norm and the
+    output projection returns hidden states.
+
+    It holds `net` as `net`, so its parameter names are `CausalLM`'s; `CausalLM` does not register it (its
+    checkpoints hold `net` once)."""
+
+    def __init__(self, net: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.net = net
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (the last stage) or hidden states (the others) of token ids (the first stage) or hidden states."""
+        if self.net.model.embed_tokens is not None:
+            return causal_lm_logits(self.net, input_ids=x)
+        return causal_lm_logits(self.net, inputs_embeds=x)
+
+
+def pipeline_llm(net: LlamaForCausalLM, loss_fn: LossFn, strategy: Any) -> Pipeline:
+    """TorchTitan's `pipeline_llm` for a Hugging Face causal LM: `net` split in place into the strategy's pipeline
+    stages (`lightning_trn.pipeline_split` along `model.layers`: the embedding with the first stage, the decoder layers
+    divided evenly, the final norm and output projection with the last, the rotary embeddings, which hold no state, on
+    every stage), and the `Pipeline` of `StageLM`s that runs them; `loss_fn` runs on the last stage.
+
+    A stage without the final norm or the output projection gets an identity in its place: Hugging Face's forward
+    calls both, and an identity holds nothing, so the stage's checkpoint keys stay those of the unsplit model."""
+    pipeline = pipeline_split(StageLM(net), loss_fn, strategy, layers="net.model.layers")
+    for part in pipeline.parts:
+        stage_net = cast(LlamaForCausalLM, part.net)
+        for owner, name in ((stage_net.model, "norm"), (stage_net, "lm_head")):
+            if getattr(owner, name) is None:
+                setattr(owner, name, torch.nn.Identity())
+    return pipeline
 
 
 def _post_order(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -196,12 +246,17 @@ class CausalLM(pl.LightningModule):
         self.test_loss, self.test_ppl = TokenMean(), TokenMean(exp=True)
         self.tokenizer_json: str | None = None
         self._parallelized = False
+        #: the model's parameters less the embedding, for `flops_per_batch` (`setup`)
+        self._dense_parameters: int | None = None
+        #: the pipeline stages this rank runs (`model.pipeline_parallel_size` > 1, `configure_model`), else None
+        self._pipeline: Pipeline | None = None
+        #: with stages and meta_init: the whole model's initialization, taken before the split (`materialization_steps`)
+        self._init_steps: list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]] | None = None
 
     @override
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits (batch, seq_len, vocab) of packed, causal blocks."""
-        mask = causal_mask(input_ids.shape[1], self.net.config._attn_implementation, self.net.dtype, input_ids.device)
-        return self.net(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+        return causal_lm_logits(self.net, input_ids=input_ids)
 
     def _loss_parallel(self) -> contextlib.AbstractContextManager:
         """`loss_parallel()` where the logits are split over the vocabulary (`apply_tp`), else nothing: the cross
@@ -212,19 +267,34 @@ class CausalLM(pl.LightningModule):
 
         return loss_parallel()
 
-    def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed cross-entropy of every predicted token (labels shifted by one, `IGNORE_INDEX` skipped) and their
-        count, both on the device. Under tensor parallel the logits stay split over the vocabulary and the sum is
-        computed under `loss_parallel`; it comes back as a plain tensor (its backward is `backward`'s)."""
-        logits = self(batch["input_ids"])[:, :-1]
-        targets = batch["labels"][:, 1:]
+    def _summed_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of every predicted token (labels shifted by one, `IGNORE_INDEX` skipped). Under tensor
+        parallel the logits stay split over the vocabulary and the sum is computed under `loss_parallel`; it comes
+        back as a plain tensor (its backward is `backward`'s)."""
+        predicted, targets = logits[:, :-1], labels[:, 1:]
         with self._loss_parallel():
             total = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                predicted.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
         if isinstance(total, DTensor):  # replicated after loss_parallel's all-reduce: no communication
             total = total.full_tensor()
-        return total, (targets != IGNORE_INDEX).sum()
+        return total
+
+    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The pipeline's loss of a microbatch, on the last stage: its summed cross-entropy over its predicted
+        positions, padding rows included. Microbatches have equal positions, so the pipeline's mean over them is the
+        batch's token mean where nothing is padding (training), and that mean times the batch's positions is its
+        summed loss (evaluation, `loss_sum`)."""
+        return self._summed_cross_entropy(logits, labels) / labels[:, 1:].numel()
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy of every predicted token (`_summed_cross_entropy`) and their count, both on the
+        device; with pipeline stages, from the forward-only schedule's loss (`_stage_loss`), on every rank."""
+        targets = batch["labels"][:, 1:]
+        count = (targets != IGNORE_INDEX).sum()
+        if self._pipeline is not None:
+            return self._pipeline.eval(batch["input_ids"], target=batch["labels"]) * targets.numel(), count
+        return self._summed_cross_entropy(self(batch["input_ids"]), batch["labels"]), count
 
     @override
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -236,8 +306,11 @@ class CausalLM(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        total, count = self.loss_sum(batch)
-        loss = total / count  # training blocks have no padding rows
+        if self._pipeline is not None:  # the schedule ran the backward too; the last stage's loss, on every rank
+            loss = self._pipeline.step(batch["input_ids"], target=batch["labels"])
+        else:
+            total, count = self.loss_sum(batch)
+            loss = total / count  # training blocks have no padding rows
         self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         return loss
 
@@ -261,20 +334,23 @@ class CausalLM(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Take the data module's tokenizer (saved with the checkpoints) and set `flops_per_batch` for
         `ThroughputMonitor`: 6 x (parameters except the embedding) + 12 x layers x hidden x seq_len per token,
-        forward and backward (PaLM's count; recomputation under activation checkpointing not included)."""
+        forward and backward (PaLM's count; recomputation under activation checkpointing not included). The
+        parameters are counted at the first call, before `configure_model` (a pipeline stage holds only its own)."""
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is None:
             return
         self.tokenizer_json = getattr(datamodule, "tokenizer_json", self.tokenizer_json)
+        if self._dense_parameters is None:
+            self._dense_parameters = sum(p.numel() for p in self.net.parameters()) - _embedding_weight(self.net).numel()
         seq_len, config = self.hparams["seq_len"], self.net.config
-        dense = sum(p.numel() for p in self.net.parameters()) - _embedding_weight(self.net).numel()
-        per_token = 6 * dense + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+        per_token = 6 * self._dense_parameters + 12 * config.num_hidden_layers * config.hidden_size * seq_len
         self.flops_per_batch = per_token * datamodule.batch_size * seq_len
 
     @override
     def configure_model(self) -> None:
         """Under `ModelParallelStrategy` (`trainer.strategy=model_parallel`): `parallelize` over its device mesh
-        (tensor parallel, activation checkpointing, `compile`, FSDP2 with bf16 parameters under bf16 precision). FSDP
+        (tensor parallel, activation checkpointing, `compile`, FSDP2 with bf16 parameters under bf16 precision), with
+        pipeline stages (`model.pipeline_parallel_size`) after splitting the model (`pipeline_llm`), each stage. FSDP
         strategies (`trainer.strategy=fsdp`) shard by their `auto_wrap_policy` after this hook: here only the
         checkpointing of a model built on meta, which `__init__` leaves to this hook, and `compile`. With `compile`,
         each decoder layer is compiled in place (`apply_compile`; not when loading a checkpoint without a Trainer)."""
@@ -292,7 +368,15 @@ class CausalLM(pl.LightningModule):
         compiled = self.hparams.get("compile", False) and self._trainer is not None  # not for export's load
         if self.device_mesh is not None and not isinstance(self.trainer.strategy, (FSDPStrategy, NeuronFSDPStrategy)):
             bf16 = str(self.trainer.precision).startswith("bf16")
-            parallelize(self.net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None, compiled)
+            nets = [self.net]
+            if getattr(self.trainer.strategy, "pipeline_parallel_size", 1) > 1:
+                # other stages' modules leave `net`, but their initialization still draws from the generator
+                if self._init_rng_state is not None:
+                    self._init_steps = eager_init_steps(self.net)
+                self._pipeline = pipeline_llm(self.net, self._stage_loss, self.trainer.strategy)
+                nets = [cast(LlamaForCausalLM, part.net) for part in self._pipeline.parts]
+            for net in nets:
+                parallelize(net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None, compiled)
         else:
             if checkpointing:
                 apply_ac(self.net)
@@ -317,7 +401,9 @@ class CausalLM(pl.LightningModule):
         state = self._init_rng_state
         if state is None:
             return []
-        steps = eager_init_steps(self.net)
+        # with pipeline stages, the whole model's: the modules other stages hold draw on the host as the eager build
+        # did and land nowhere (they stay on the meta device, outside `net`)
+        steps = list(self._init_steps) if self._init_steps is not None else eager_init_steps(self.net)
         if not steps:
             return steps
         saved: list[torch.Tensor] = []

@@ -140,16 +140,20 @@ def apply_fsdp(net: LlamaForCausalLM, dp_mesh: Any, param_dtype: torch.dtype | N
     The embedding is its own unit so that its gathered weight is freed after the forward (left in the root, it stays
     gathered from the forward to the end of the backward: 0.5 GiB per rank at 70 B); the norm and output projection
     are not resharded after the forward, since the backward needs them at once. Tied embedding and output weights
-    (pretrained folders) stay in the root: one parameter belongs to one unit."""
+    (pretrained folders) stay in the root: one parameter belongs to one unit. A pipeline stage (`pipeline_llm`) has
+    the units it holds: no embedding (None) past the first stage, no norm and output projection (identities) before
+    the last."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mesh": dp_mesh} if mp_policy is None else {"mesh": dp_mesh, "mp_policy": mp_policy}
-    tied = net.lm_head.weight is net.model.embed_tokens.weight
-    if not tied:
-        fully_shard(net.model.embed_tokens, **kwargs)
+    embedding = net.model.embed_tokens
+    tied = embedding is not None and getattr(net.lm_head, "weight", None) is embedding.weight
+    if embedding is not None and not tied:
+        fully_shard(embedding, **kwargs)
     for layer in net.model.layers:
         fully_shard(layer, **kwargs)
-    if not tied:
-        fully_shard([net.model.norm, net.lm_head], **kwargs, reshard_after_forward=False)
+    ends = [module for module in (net.model.norm, net.lm_head) if next(module.parameters(), None) is not None]
+    if ends and not tied:
+        fully_shard(ends, **kwargs, reshard_after_forward=False)
     fully_shard(net, **kwargs)
