@@ -4,7 +4,7 @@
 # `native_only`) says which suites run it; tests/conftest.py routes by it (docs/contributing.md).
 # The two run at the same time, each on two pytest-xdist workers, the native one in the background with its output
 # shown after the XLA suite's. Both run to the end even if one fails; the exit code says if either did.
-# The XLA suite also resumes checkpoints across the two environments (tests/test_cross_backend.py), so the native
+# The XLA suite also resumes checkpoints across the two environments (tests/checkpoint/test_cross_backend.py), so the native
 # one must exist.
 # Children that tests launch start from a warm interpreter (tests/warm_python.py: torch and Lightning imported once,
 # each child a fork of it); LIGHTNING_TRN_TEST_COLD=1 starts every child fresh instead.

@@ -1,5 +1,5 @@
-"""Runs of tests/scripts/sharded_save_train.py for the sharded-checkpoint tests (tests/test_sharded_save.py on
-ZeRO-1, tests/standin/test_sharded_save_dcp.py on DCP), and the check of what a killed run left."""
+"""Runs of tests/scripts/sharded_save_train.py for the sharded-checkpoint tests (tests/checkpoint/test_sharded_save.py
+on ZeRO-1, tests/checkpoint/test_sharded_save_dcp.py on DCP), and the check of what a killed run left."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def test_overhead_prints_both_sides_and_their_ratio():
 
 
 @pytest.mark.native_only  # CI time: the harness's LLM path does not depend on the backend; the XLA suite checks
-# the LLM job's graphs in test_job_economy_llm_twin_does_the_plugins_work and tests/test_precompile.py
+# the LLM job's graphs in test_job_economy_llm_twin_does_the_plugins_work and tests/runtime/test_precompile.py
 def test_overhead_prints_the_llm_row():
     """The LLM recipe's module (AdamW with its LR schedule, clipping) in both loops; past the first two steps (the one
     creating AdamW's state, then the steady one) nothing compiles."""

@@ -24,7 +24,7 @@ from lightning_trn.runtime.collectives import check_world_size
 pytestmark = pytest.mark.xla_only
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
-#: rows whose mistake needs the native backend: checked by tests/standin/test_model_parallel.py
+#: rows whose mistake needs the native backend: checked by tests/strategies/test_model_parallel.py
 NATIVE_ROWS = ("model-parallel-sizes", "model-parallel-optimizer", "fsdp-sharding-strategy")
 
 
@@ -132,7 +132,8 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
             AcceleratorRegistry["neuron"] = entry
 
     def autograd_started_first():
-        # the real case needs a fresh process (tests/test_cpu_backward_first.py); here autograd's assert is replayed
+        # the real case needs a fresh process (tests/hooks/test_cpu_backward_first.py); here autograd's assert is
+        # replayed
         def engine_without_device_workers(*args, **kwargs):
             raise RuntimeError("0 <= device.index() && device.index() < device_ready_queues_.size() INTERNAL ASSERT")
 
@@ -178,7 +179,7 @@ def trigger(tmp_path, monkeypatch, fake_neuron_host) -> Callable[[str], str]:
 @pytest.mark.parametrize(("row", "fragments"), sorted(documented_rows().items()))
 def test_documented_message(row, fragments, trigger):
     if row in NATIVE_ROWS:
-        pytest.skip("a native-backend mistake: tests/standin/test_model_parallel.py checks it")
+        pytest.skip("a native-backend mistake: tests/strategies/test_model_parallel.py checks it")
     message = trigger(row)
     for fragment in fragments:
         assert fragment in message, f"{row}: {fragment!r} not in {message!r}"

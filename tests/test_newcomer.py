@@ -5,11 +5,11 @@ process. The two training runs (a recipe fine-tune, a module of one's own) run o
 
 The five tasks and where each is checked:
 
-- fine-tune a `save_pretrained` folder with the LLM recipe (full): tests/test_recipe_llm_pretrained.py (one step
+- fine-tune a `save_pretrained` folder with the LLM recipe (full): tests/recipes/test_recipe_llm_pretrained.py (one step
   equals plain transformers; export, generate, load again); here with `logger=tensorboard`, exported from a sharded
   checkpoint directory;
-- LoRA: tests/test_recipe_llm_lora.py (only the adapters train; resume; merged export);
-- FSDP on 2 ranks: tests/standin/test_recipe_llm_lora_sharded.py, test_recipe_llm_pretrained_sharded.py and
+- LoRA: tests/recipes/test_recipe_llm_lora.py (only the adapters train; resume; merged export);
+- FSDP on 2 ranks: tests/recipes/test_recipe_llm_lora_sharded.py, test_recipe_llm_pretrained_sharded.py and
   test_recipe_llm_strategies_native.py (which also finds no sampler warning in the 2-rank run's output);
 - a LightningModule of one's own with `load_pretrained`, exported to a Hugging Face folder: here, the blocks of
   docs/getting-started.md run as written, and its LightningCLI example;
@@ -39,8 +39,8 @@ from lightning_trn.core.checkpoint.pretrained import check_local_folder
 from lightning_trn.recipes import cli, common, llm
 from lightning_trn.recipes.tensor_datamodule import evaluation_multiple
 from lightning_trn.runtime import get_runtime
-from tests.test_recipe_llm_lora import LORA
-from tests.test_recipe_llm_pretrained import STEP, Folder, save_folder
+from tests.recipes.test_recipe_llm_lora import LORA
+from tests.recipes.test_recipe_llm_pretrained import STEP, Folder, save_folder
 
 pytestmark = pytest.mark.both
 

@@ -3,7 +3,7 @@ position embedding, pre-norm blocks, token pooling) with the patch embedding of 
 
 Why not timm itself: timm imports torchvision, and PyPI has no CPU torchvision for torch 2.13 (the native stack),
 so the recipe would not run there. The same weights load into `timm.models.vision_transformer.VisionTransformer`
-after `to_conv_state_dict` (tests/test_recipes_unit.py checks the logits).
+after `to_conv_state_dict` (tests/recipes/test_recipes_unit.py checks the logits).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker script for tests/standin/test_async_save.py: Fabric's sharded save, asynchronous against synchronous.
+"""Worker script for tests/checkpoint/test_async_save.py: Fabric's sharded save, asynchronous against synchronous.
 
 2 ranks, `Fabric(strategy="fsdp")` on the stand-in, AdamW, a few steps; then the same state saved synchronously to
 `<out>/sync.ckpt` (a second Fabric strategy's checkpoint IO, `async_save=False`) and asynchronously to

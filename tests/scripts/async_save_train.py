@@ -1,4 +1,5 @@
-"""Worker script for tests/standin/test_async_save.py: the 2-rank FSDP job of sharded_save_train.py (`strategy="fsdp"`
+"""Worker script for tests/checkpoint/test_async_save.py: the 2-rank FSDP job of sharded_save_train.py
+(`strategy="fsdp"`
 on the stand-in, a DCP checkpoint after every step, `ModelCheckpoint(save_last=True, every_n_train_steps=1)`), its
 saves synchronous, or asynchronous with `--async-save` (`NeuronCheckpointIO(async_save=True)`).
 

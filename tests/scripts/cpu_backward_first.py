@@ -1,4 +1,5 @@
-"""Worker for tests/test_cpu_backward_first.py: a CPU backward pass (a notebook's sanity check), then a Neuron fit.
+"""Worker for tests/hooks/test_cpu_backward_first.py: a CPU backward pass (a notebook's sanity check), then a Neuron
+fit.
 
 With `--start-device-first` the device is started right after `import lightning_trn`, before that backward.
 """

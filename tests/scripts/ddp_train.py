@@ -1,4 +1,5 @@
-"""Worker script for tests/test_ddp_training.py: a few SGD steps of a tiny regression model with `NeuronDDPStrategy`.
+"""Worker script for tests/strategies/test_ddp_training.py: a few SGD steps of a tiny regression model with
+`NeuronDDPStrategy`.
 
 Launched by torchrun or as plain `python ddp_train.py` (the strategy then starts the other ranks itself). Every rank
 initialises the model from a different seed, so only the strategy's broadcast at setup makes the weights equal.

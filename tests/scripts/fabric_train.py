@@ -1,4 +1,5 @@
-"""Worker script for tests/test_ddp_training.py: the `ddp_train.py` job written as a Fabric loop, the natural way.
+"""Worker script for tests/strategies/test_ddp_training.py: the `ddp_train.py` job written as a Fabric loop, the
+natural way.
 
 `python fabric_train.py --devices 2` (`fabric.launch()` starts rank 1) or under torchrun. Every rank initialises the
 model from a different seed, so only the strategy's broadcast makes the weights equal. Writes to --out:

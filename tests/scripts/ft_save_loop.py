@@ -1,4 +1,4 @@
-"""Worker script for tests/test_fault_tolerance.py: save a ~32 MB checkpoint to one path through
+"""Worker script for tests/checkpoint/test_fault_tolerance.py: save a ~32 MB checkpoint to one path through
 `NeuronCheckpointIO`, over and over, until killed.
 
 Version v holds `weights = arange(N) + v` (float64), `version = v` and `checksum = weights.sum()`, so a reader can tell

@@ -1,4 +1,5 @@
-"""Worker script for tests/test_fault_tolerance.py: a deterministic run that resumes itself when started again.
+"""Worker script for tests/checkpoint/test_fault_tolerance.py: a deterministic run that resumes itself when started
+again.
 
 `python ft_train.py --out DIR` trains a small MLP with SGD on `accelerator="neuron"` for `--max-steps` steps, writing
 `DIR/checkpoints/last.ckpt` every `--every` steps (mid-epoch) and resuming from it (`ckpt_path="last"`) if present.

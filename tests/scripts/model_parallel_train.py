@@ -1,4 +1,4 @@
-"""Worker script for tests/standin/test_model_parallel.py: a small decoder-style token model sharded with FSDP2
+"""Worker script for tests/strategies/test_model_parallel.py: a small decoder-style token model sharded with FSDP2
 (`fully_shard` on the data-parallel mesh) and tensor parallelism (`parallelize_module`, `loss_parallel`) in
 `configure_model`, written as for GPUs with Lightning's `ModelParallelStrategy`; `--accelerator cpu` is Lightning's
 own run on gloo (the reference), `--accelerator neuron` the same script on the `neuron` device. `--api fabric`: the

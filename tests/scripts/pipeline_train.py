@@ -1,4 +1,4 @@
-"""Worker script for tests/standin/test_pipeline.py: a small decoder-style token model trained with pipeline
+"""Worker script for tests/strategies/test_pipeline.py: a small decoder-style token model trained with pipeline
 parallelism (`lightning_trn.pipeline_split` in `configure_model`, `Pipeline.step` in `training_step`), optionally
 with FSDP2 or tensor parallelism inside each stage, or with HSDP replicas; `--accelerator cpu` is the reference,
 the same LightningModule under Lightning's own `ModelParallelStrategy` in one process (no stages: `Pipeline.step` is

@@ -1,5 +1,5 @@
-"""Worker script for tests/test_cross_backend.py: train `RegressionModel` to `--epochs`, optionally resuming from
-`--resume`, on `--accelerator` (neuron: whichever backend this interpreter has; cpu: stock Lightning), then write
+"""Worker script for tests/checkpoint/test_cross_backend.py: train `RegressionModel` to `--epochs`, optionally resuming
+from `--resume`, on `--accelerator` (neuron: whichever backend this interpreter has; cpu: stock Lightning), then write
 `--save` (a Lightning checkpoint) and print `RESULT <json>` with the backend, the global step and the weights.
 """
 

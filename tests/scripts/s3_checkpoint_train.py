@@ -1,4 +1,4 @@
-"""Worker script for tests/standin/test_s3_checkpoint.py: 2 ranks, `strategy="fsdp"` on the stand-in, sharded
+"""Worker script for tests/checkpoint/test_s3_checkpoint.py: 2 ranks, `strategy="fsdp"` on the stand-in, sharded
 checkpoints in S3 (`--url s3://bucket/prefix`; the endpoint and credentials come from the environment), one launch:
 
 1. `fit` for 3 steps, `ModelCheckpoint(dirpath=<url>, filename="{step}", every_n_train_steps=1, save_top_k=1,

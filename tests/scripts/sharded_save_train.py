@@ -1,5 +1,5 @@
-"""Worker script for tests/test_sharded_save.py and tests/standin/test_sharded_save_dcp.py: 2 ranks train a small
-MLP with AdamW and save a sharded checkpoint after every optimizer step (`ModelCheckpoint(save_last=True,
+"""Worker script for tests/checkpoint/test_sharded_save.py and tests/checkpoint/test_sharded_save_dcp.py: 2 ranks train
+a small MLP with AdamW and save a sharded checkpoint after every optimizer step (`ModelCheckpoint(save_last=True,
 every_n_train_steps=1)`), optionally SIGKILL-ing the whole job at a chosen point of a chosen save.
 
 `--kind dcp`: `strategy="fsdp"` (FSDP2; torch.distributed.checkpoint directories; the native stand-in). `--kind zero1`:

@@ -1,5 +1,5 @@
-"""Worker script for tests/test_zero1.py's host-memory test: one rank of ZeRO-1 checkpoint saves and loads on host
-tensors (a gloo group of `WORLD_SIZE` processes), printing each phase's host peak as a JSON line.
+"""Worker script for tests/strategies/test_zero1.py's host-memory test: one rank of ZeRO-1 checkpoint saves and loads
+on host tensors (a gloo group of `WORLD_SIZE` processes), printing each phase's host peak as a JSON line.
 
 The model is three fp32 parameters of `--numel` elements in all (sizes that need padding); the sharded optimizer is
 Adam whose moments are a known function of the element index, so every load is checked element by element. A phase

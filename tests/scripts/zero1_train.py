@@ -1,5 +1,5 @@
-"""Worker script for tests/test_zero1.py: Adam with weight decay, gradient clipping, accumulation and a per-step LR
-schedule on a small MLP whose parameter sizes are not multiples of the world size (ZeRO-1 pads them).
+"""Worker script for tests/strategies/test_zero1.py: Adam with weight decay, gradient clipping, accumulation and a
+per-step LR schedule on a small MLP whose parameter sizes are not multiples of the world size (ZeRO-1 pads them).
 
 `--api trainer`: a Trainer run (`--strategy auto` on one process is the unsharded reference; `neuron_zero1` shards);
 `--api fabric`: the same job as a Fabric loop. `--state-dict-type sharded`: ZeRO-1 with sharded checkpoints

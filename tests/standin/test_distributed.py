@@ -13,7 +13,7 @@ from tests.launch import free_port
 
 pytestmark = pytest.mark.native_only
 
-SCRIPT = Path(__file__).parent / "scripts" / "collectives.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "collectives.py"
 CHECKS = [
     "all_reduce_SUM",
     "all_reduce_AVG",

@@ -1,0 +1,63 @@
+"""`python -m lightning_trn.recipes.llm model.pretrained=DIR data.source=FILE.jsonl` sharded on two stand-in devices:
+built on the meta device, parallelized (FSDP2 over 2; tensor parallel over 2, with the folder's tied embedding and
+LM head tied again), then filled from the folder, each rank reading its blocks. Proven by equality with the
+one-device run (in this process): the same losses from the first step (the loaded weights) to the last."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_trn.recipes import cli, llm
+from tests.recipes.test_recipe_llm_pretrained import STEP, save_folder
+
+pytestmark = pytest.mark.native_only
+
+
+def _train_losses(run_dir: Path) -> list[float]:
+    with open(run_dir / "logs" / "metrics.csv") as f:
+        return [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+
+
+def test_sharded_fine_tuning_from_a_folder_matches_one_device(tmp_path: Path) -> None:
+    folder = save_folder(tmp_path)
+    common = [
+        f"model.pretrained={folder.path}",
+        f"data.source={folder.rows}",
+        *STEP,
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+    ]
+    # every rank takes the recipe's own seeded shuffle, as the one-device run does: same global batches
+    cli.main(llm.RECIPE, [*common, "trainer.devices=1", f"out_dir={tmp_path / 'single'}"])  # the reference
+    runs = {
+        "fsdp2": ["trainer.devices=2", "trainer.strategy=model_parallel", "trainer.use_distributed_sampler=false"],
+        "tp2": [
+            "trainer.devices=2",
+            "trainer.strategy=model_parallel",
+            "model.tensor_parallel_size=2",
+            "trainer.use_distributed_sampler=false",
+        ],
+    }
+    env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
+    losses = {"single": _train_losses(tmp_path / "single")}
+    for name, overrides in runs.items():
+        run = subprocess.run(
+            [sys.executable, "-m", "lightning_trn.recipes.llm", *common, *overrides, f"out_dir={tmp_path / name}"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        losses[name] = _train_losses(tmp_path / name)
+    assert len(losses["single"]) == 3 and len(set(losses["single"])) == 3
+    assert losses["fsdp2"] == pytest.approx(losses["single"], rel=1e-5, abs=1e-6)
+    assert losses["tp2"] == pytest.approx(losses["single"], rel=1e-5, abs=1e-6)
