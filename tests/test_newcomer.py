@@ -13,7 +13,7 @@ The five tasks and where each is checked:
   test_recipe_llm_strategies_native.py (which also finds no sampler warning in the 2-rank run's output);
 - a LightningModule of one's own with `load_pretrained`, exported to a Hugging Face folder: here, the blocks of
   docs/getting-started.md run as written, and its LightningCLI example;
-- estimate one's own module: tests/standin/test_estimate.py.
+- estimate one's own module: tests/estimate/test_estimate.py.
 
 The mistakes are docs/troubleshooting.md's "Fine-tuning mistakes" table: each row made here, its documented message
 checked.

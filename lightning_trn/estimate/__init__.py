@@ -15,6 +15,8 @@ with
 The first step creates the optimizer state; the second is measured with it present (`reset_mod_stats` and a fresh
 peak between), as `torch.neuron.reset_peak_memory_stats()` before it and `max_memory_allocated()` after it would.
 Ranks whose shards have the same shapes have the same memory: rank 0 stands for them (`ranks=` simulates others).
+With pipeline stages one rank of each kind of stage is simulated (first, middle, last), torch's schedule running
+every microbatch, and the report adds the schedule's bubble and each stage's transfers (`report.PipelineEstimate`).
 Lightning's loop runs unchanged except that it logs nothing (`logger=False`, no progress bar or checkpoints) and the
 module's `log` calls are dropped: host bookkeeping of scalars, not device memory.
 
@@ -42,10 +44,12 @@ from lightning_trn.estimate.report import (
     XLA_PLATFORMS,
     Collective,
     Estimate,
+    PipelineEstimate,
     PlatformBudget,
     RankMemory,
+    bubble_fraction,
 )
-from lightning_trn.estimate.simulation import default_platform, describe, estimate, simulate_rank
+from lightning_trn.estimate.simulation import default_platform, describe, estimate, simulate_rank, stage_kinds
 
 __all__ = [
     "API",
@@ -61,11 +65,14 @@ __all__ = [
     "RECIPE",
     "ROWS",
     "native_device",
+    "PipelineEstimate",
     "PlatformBudget",
     "RankMemory",
+    "bubble_fraction",
     "default_platform",
     "estimate",
     "format_plan",
     "plan",
     "simulate_rank",
+    "stage_kinds",
 ]

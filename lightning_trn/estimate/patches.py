@@ -61,13 +61,12 @@ def native_device() -> str:
 
 @contextlib.contextmanager
 def simulation_hooks() -> Iterator[None]:
-    """`SIMULATION_HOOKS` in place for the block, refused where the torch or Lightning version is untested or one of
-    the patched attributes is missing."""
+    """`SIMULATION_HOOKS` and the pipeline stages' (`pipeline_simulation_hooks`) in place for the block, refused
+    where the torch or Lightning version is untested or one of the patched attributes is missing."""
     from lightning_trn.hooks import registry
 
-    missing = [
-        f"{hook.owner.__name__}.{hook.name}" for hook in registry.SIMULATION_HOOKS if not hasattr(hook.owner, hook.name)
-    ]
+    hooks = (*registry.SIMULATION_HOOKS, *registry.pipeline_simulation_hooks())
+    missing = [f"{hook.owner.__name__}.{hook.name}" for hook in hooks if not hasattr(hook.owner, hook.name)]
     if missing or not registry.simulation_torch_tested() or not registry.lightning_version_tested():
         raise EstimateError(
             f"lightning_trn.estimate patches torch internals for its simulation that were tested on torch "
@@ -76,7 +75,7 @@ def simulation_hooks() -> Iterator[None]:
             + (f" and lacks {', '.join(missing)}" if missing else "")
             + ". Install the tested versions to estimate (the simulation would give wrong numbers or fail here)."
         )
-    with registry.installed(registry.SIMULATION_HOOKS):
+    with registry.installed(hooks):
         yield
 
 

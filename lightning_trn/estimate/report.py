@@ -131,6 +131,83 @@ class Collective:
     across_nodes: int = 0
 
 
+#: the part of a step each schedule leaves a pipeline rank idle (its "bubble"), with `p` pipeline ranks, `m`
+#: microbatches and `v` stages per rank, and where the formula comes from
+BUBBLE_FORMULAS = {
+    "GPipe": (
+        "(p-1)/(m+p-1)",
+        "each rank idles p-1 of the m+p-1 forward and backward slots of a step (GPipe, arXiv 1811.06965; "
+        "Megatron-LM, arXiv 2104.04473, section 2.2.1)",
+    ),
+    "1F1B": (
+        "(p-1)/(m+p-1)",
+        "1F1B reorders GPipe's slots without removing any (Megatron-LM, arXiv 2104.04473, section 2.2.1)",
+    ),
+    "Interleaved1F1B": (
+        "(p-1)/(v*m+p-1)",
+        "v stages per rank divide 1F1B's bubble by v (Megatron-LM, arXiv 2104.04473, section 2.2.2)",
+    ),
+    "ZBVZeroBubble": (
+        "0",
+        "weight gradients fill the bubble when forward, input-gradient and weight-gradient passes take equal time "
+        "(torch's ScheduleZBVZeroBubble; Zero Bubble Pipeline Parallelism, arXiv 2401.10241, section 6); "
+        "unequal passes leave some",
+    ),
+}
+#: the rows of the stage transfers in a rank's collectives (`Pipeline.point_to_point`)
+STAGE_SEND, STAGE_RECV = "stage send", "stage recv"
+
+
+def bubble_fraction(schedule: str, ranks: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The idle part of a step of `schedule` (`BUBBLE_FORMULAS`) with `ranks` pipeline ranks, `microbatches` and
+    `stages_per_rank` (Interleaved1F1B's v; the others ignore it)."""
+    if schedule not in BUBBLE_FORMULAS:
+        raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(BUBBLE_FORMULAS)}.")
+    if schedule == "ZBVZeroBubble":
+        return 0.0
+    slots = microbatches * (stages_per_rank if schedule == "Interleaved1F1B" else 1)
+    return (ranks - 1) / (slots + ranks - 1)
+
+
+@dataclass
+class PipelineEstimate:
+    """The pipeline stages of an estimated job: `schedule` over `ranks` pipeline ranks (p) with `microbatches` (m)
+    and `stages_per_rank` (v), and for each simulated rank its stage indices and its step's collectives, stage
+    transfers included (the stages differ: the first has the embedding, the last the head and the loss)."""
+
+    schedule: str
+    ranks: int
+    microbatches: int
+    stages_per_rank: int
+    stages: dict[int, list[int]]
+    collectives: dict[int, list[Collective]]
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.schedule, self.ranks, self.microbatches, self.stages_per_rank)
+
+    def label(self, rank: int) -> str:
+        """`rank`'s stages and their kind, e.g. `0 (first)`, `1, 2 (middle)`."""
+        stages, last = self.stages[rank], self.ranks * self.stages_per_rank - 1
+        kinds = [kind for kind, held in (("first", 0 in stages), ("last", last in stages)) if held]
+        if any(stage not in (0, last) for stage in stages):
+            kinds.insert(len(kinds) - ("last" in kinds), "middle")
+        return f"{', '.join(map(str, stages))} ({', '.join(kinds)})"
+
+    def point_to_point(self, rank: int) -> tuple[int, int]:
+        """Bytes `rank` sent and received between stages in the step."""
+        sizes = {collective.kind: collective.bytes_per_rank for collective in self.collectives[rank]}
+        return sizes.get(STAGE_SEND, 0), sizes.get(STAGE_RECV, 0)
+
+    def bubble_line(self) -> str:
+        formula, source = BUBBLE_FORMULAS[self.schedule]
+        per_rank = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
+        return (
+            f"pipeline: {self.schedule}, {self.ranks} pipeline ranks{per_rank}, {self.microbatches} microbatches: "
+            f"bubble {formula} = {100 * self.bubble:.1f} % of a step idle; {source}"
+        )
+
+
 @dataclass
 class Estimate:
     """What `estimate` found: per simulated rank its memory, the step's collectives, the capacity of a core;
@@ -145,6 +222,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     simulated: str = ""
     caller: str = API
+    pipeline: PipelineEstimate | None = None
 
     @property
     def peak(self) -> int:
@@ -187,11 +265,19 @@ class Estimate:
 
     def format(self) -> str:
         """The report `python -m lightning_trn.estimate` prints; its last line is
-        `peak device memory per rank: <x> GiB of <y> GiB`."""
+        `peak device memory per rank: <x> GiB of <y> GiB`. With pipeline stages: the schedule and its bubble, a
+        `stages` column, and each simulated rank's collectives with its stage transfers."""
+        pipeline = self.pipeline
         lines = [self.simulated] if self.simulated else []
-        lines += [f"world size {self.world_size}, {self.platform}: {self.capacity / _GIB:.0f} GiB per rank", ""]
+        lines += [f"world size {self.world_size}, {self.platform}: {self.capacity / _GIB:.0f} GiB per rank"]
+        lines += [pipeline.bubble_line()] if pipeline is not None else []
+        lines.append("")
+        stages = ("stages",) if pipeline is not None else ()
+        labels = [pipeline.label(rank.rank) for rank in self.ranks] if pipeline is not None else []
+        widths = {"stages": max(18, *map(len, labels))} if labels else {}
         header = (
             "rank",
+            *stages,
             "parameters",
             "gradients",
             "optimizer",
@@ -200,36 +286,54 @@ class Estimate:
             "total peak",
             "capacity",
         )
-        lines.append(" | ".join(f"{name:>11}" for name in header))
+        lines.append(" | ".join(f"{name:>{widths.get(name, 11)}}" for name in header))
         for rank in self.ranks:
             cells = [
                 f"{rank.rank}",
+                *((pipeline.label(rank.rank),) if pipeline is not None else ()),
                 *(f"{getattr(rank, row) / _GIB:.2f} GiB" for row in ROWS),
                 f"{rank.peak / _GIB:.2f} GiB",
                 f"{self.capacity / _GIB:.0f} GiB",
             ]
-            lines.append(" | ".join(f"{cell:>11}" for cell in cells))
-        lines += [
-            "",
-            "collectives of one training step (per rank)",
-            f"{'kind':>30} | {'count':>6} | {'bytes':>12} | {'across nodes':>12}",
-        ]
-        for collective in self.collectives:
-            sizes = f"{_size(collective.bytes_per_rank):>12} | {_size(collective.across_nodes):>12}"
-            lines.append(f"{collective.kind:>30} | {collective.count:>6} | {sizes}")
-        if not self.collectives:
-            lines.append(f"{'(none)':>30} |")
-        total = sum(collective.bytes_per_rank for collective in self.collectives)
-        across = sum(collective.across_nodes for collective in self.collectives)
-        lines.append(
-            f"bytes per rank and step: {_size(total)} in all, {_size(across)} in groups that span nodes, "
-            f"{_size(total - across)} within a node"
-        )
-        lines += ["", *self.notes, MARGIN_SOURCE, RESERVED_SOURCE, NOT_SIMULATED, self.budget_line()]
+            lines.append(
+                " | ".join(f"{cell:>{widths.get(name, 11)}}" for name, cell in zip(header, cells, strict=True))
+            )
+        if pipeline is None:
+            lines += ["", *_collective_lines("collectives of one training step (per rank)", self.collectives)]
+        else:
+            for rank in self.ranks:
+                title = f"collectives of one training step, rank {rank.rank} (stages {pipeline.label(rank.rank)})"
+                lines += ["", *_collective_lines(title, pipeline.collectives[rank.rank])]
+                sent, received = pipeline.point_to_point(rank.rank)
+                lines.append(
+                    f"point-to-point bytes per step, rank {rank.rank}: {_size(sent)} sent, {_size(received)} "
+                    "received (activations forward, their gradients back)"
+                )
+        lines += ["", *self.notes, MARGIN_SOURCE, RESERVED_SOURCE, NOT_SIMULATED]
+        if pipeline is not None:
+            lines.append("every stage must fit: the verdict is the largest stage's")
+        lines.append(self.budget_line())
         if not self.fits:
             lines.append(self.advice())
         lines.append(f"peak device memory per rank: {self.peak / _GIB:.2f} GiB of {self.capacity / _GIB:.2f} GiB")
         return "\n".join(line for index, line in enumerate(lines) if line or lines[index - 1])
+
+
+def _collective_lines(title: str, collectives: list[Collective]) -> list[str]:
+    """A collectives table: one row per kind, then the bytes in all, across nodes and within a node."""
+    lines = [title, f"{'kind':>30} | {'count':>6} | {'bytes':>12} | {'across nodes':>12}"]
+    for collective in collectives:
+        sizes = f"{_size(collective.bytes_per_rank):>12} | {_size(collective.across_nodes):>12}"
+        lines.append(f"{collective.kind:>30} | {collective.count:>6} | {sizes}")
+    if not collectives:
+        lines.append(f"{'(none)':>30} |")
+    total = sum(collective.bytes_per_rank for collective in collectives)
+    across = sum(collective.across_nodes for collective in collectives)
+    lines.append(
+        f"bytes per rank and step: {_size(total)} in all, {_size(across)} in groups that span nodes, "
+        f"{_size(total - across)} within a node"
+    )
+    return lines
 
 
 def _size(count: int) -> str:

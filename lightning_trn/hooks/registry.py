@@ -7,15 +7,15 @@ Lightning's originals.
 
 For the duration of a Neuron run only (`HOOKS` below): from `NeuronStrategyBase.setup` to its `teardown`, after
 which Lightning's originals are back, so a CPU or GPU run in the same process runs Lightning's own code. Each saves
-host time or a device sync per step on Neuron and gives Lightning's result (tests/test_logging_fast_path.py,
-tests/test_loop_shortcuts.py), or frees the previous step's gradients before the forward instead of after it
-(`zero_grad`, tests/test_zero_grad_first.py), or makes torch's activation checkpointing work on the run's device
-(`activation_checkpointing`, tests/test_activation_checkpointing.py), or gives random ops on `neuron` DTensors
-independent values per shard (`DTENSOR_RANDOM_HOOKS`, torch's tracker; tests/standin/test_dtensor_random.py); each is
-skipped where the Lightning (or torch) version is untested or lacks what it replaces. Fabric has no teardown: its
-Neuron precision installs the checkpointing hooks (`CHECKPOINT_HOOKS`) for each forward and backward pass only
-(`installed`), and its model-parallel strategy the DTensor random-op rule from `setup_module` on. Holders are counted
-per hook, so those nest inside a Trainer run's.
+host time or a device sync per step on Neuron and gives Lightning's result (tests/hooks/test_logging_fast_path.py,
+tests/hooks/test_loop_shortcuts.py), or frees the previous step's gradients before the forward instead of after it
+(`zero_grad`, tests/hooks/test_zero_grad_first.py), or makes torch's activation checkpointing work on the run's
+device (`activation_checkpointing`, tests/strategies/test_activation_checkpointing.py), or gives random ops on
+`neuron` DTensors independent values per shard (`DTENSOR_RANDOM_HOOKS`, torch's tracker;
+tests/strategies/test_dtensor_random.py); each is skipped where the Lightning (or torch) version is untested or
+lacks what it replaces. Fabric has no teardown: its Neuron precision installs the checkpointing hooks
+(`CHECKPOINT_HOOKS`) for each forward and backward pass only (`installed`), and its model-parallel strategy the
+DTensor random-op rule from `setup_module` on. Holders are counted per hook, so those nest inside a Trainer run's.
 """
 
 from __future__ import annotations
@@ -122,7 +122,23 @@ SIMULATION_HOOKS: tuple[Hook, ...] = (
     Hook(torch.utils, "swap_tensors", simulation.swap_unless_unchanged),
     Hook(_sharding_prop, "detect_fake_mode", simulation.own_propagation_mode),
     Hook(torch.distributed, "new_group", simulation.fake_host_groups),
+    Hook(torch.distributed, "broadcast_object_list", simulation.own_objects),
 )
+
+
+def pipeline_simulation_hooks() -> tuple[Hook, ...]:
+    """What pipeline stages need in a simulation (`lightning_trn.hooks.simulation`: their shapes and the vote
+    without the process group, their transfers counted), installed with `SIMULATION_HOOKS`; built at the
+    simulation, since importing `torch.distributed.pipelining` would add 0.1 s to `import lightning_trn`."""
+    from torch.distributed.pipelining import schedules, stage
+
+    return (
+        Hook(stage.PipelineStage, "_recv_meta", simulation.recorded_stage_inputs),
+        Hook(stage.PipelineStage, "_send_meta", simulation.recording_stage_outputs),
+        Hook(schedules._PipelineSchedule, "_warmup_p2p", simulation.warmup_without_vote),
+        Hook(schedules, "_batch_p2p", simulation.counted_stage_transfers),
+    )
+
 
 HOOKS: tuple[Hook, ...] = (
     Hook(result, "convert_tensors_to_scalars", logging_hooks.conversion_unless_deferred),

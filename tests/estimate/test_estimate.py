@@ -4,11 +4,12 @@ tensors, against the same job run for real.
 What is checked: for FSDP2 (with and without activation checkpointing), tensor parallelism and ZeRO-1 on 2 stand-in
 `neuron` processes, and FSDP2 x tensor parallelism with activation checkpointing on 4 (the LLM recipe's model,
 about 21 M parameters), the estimated per-rank peak is within 10 % of the stand-in allocator's peak over the second
-training step (`torch.neuron.max_memory_allocated()`; measured here: within 100 bytes); the command line prints the
+training step (`torch.neuron.max_memory_allocated()`; measured here: within 100 bytes), and so is each pipeline
+stage's (2 stages, 1F1B, one simulated rank per stage) against the real rank holding it; the command line prints the
 tables, ends with the `peak device memory per rank` line and exits 0 when the job fits, 1 with one line of advice
 when it does not, without allocating the model; `--plan` lists the largest micro-batch that fits per layout; the
 collectives' bytes in groups that span nodes are told apart from those within a node (FSDP2 against HSDP). The
-simulations run in this process: a simulation leaves it as it found it (tests/standin/test_estimate_patterns.py).
+simulations run in this process: a simulation leaves it as it found it (tests/estimate/test_estimate_patterns.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.launch import child_env
 
 pytestmark = pytest.mark.native_only
 
-SCRIPT = Path(__file__).parent / "scripts" / "estimate_measured.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "estimate_measured.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import estimate_measured as measured  # noqa: E402
 
@@ -95,6 +96,28 @@ def test_estimated_peak_matches_the_allocator(tmp_path: Path, strategy: str, che
         # peak can be the lower one), the step's one moment-sized temporary, which the tracker counts as state
         assert 1.99 * rank.parameters <= rank.optimizer_state <= 3.01 * rank.parameters
     assert result.collectives and all(c.count > 0 and c.bytes_per_rank > 0 for c in result.collectives)
+
+
+def test_estimated_stage_peaks_match_the_allocator(tmp_path: Path) -> None:
+    """Pipeline stages (2 ranks, 1F1B over 4 microbatches): one simulated rank per stage, the schedule run in the
+    simulation, each stage's peak within 5 % of the real rank holding that stage (measured here: 2.1 % over on the
+    first stage, whose peak is its optimizer step, 0.2 % on the last, whose peak holds its microbatches' logits);
+    the stage transfers counted are every microbatch's activation, forward and back."""
+    result = measured.estimated("pp", False, 2)
+    peaks = _measured_peaks(tmp_path, "pp", False, 2)
+    assert result.pipeline is not None and result.pipeline.stages == {0: [0], 1: [1]}
+    assert [rank.rank for rank in result.ranks] == [0, 1]
+    for rank, (_, second) in zip(result.ranks, peaks, strict=True):  # 5 %: the optimizer's form (9 % off) shows
+        assert abs(rank.peak - second) <= 0.05 * second, (result.ranks, peaks)
+    first, last = result.ranks
+    assert last.activations > first.activations  # the last stage's logits and loss
+    microbatch = measured.BATCH_SIZE // measured.MICROBATCHES
+    activation = microbatch * measured.MODEL["seq_len"] * (measured.MODEL["hidden_size"] // 2) * 4  # fp32
+    for rank in (0, 1):  # each stage sends one way and receives the other, once per microbatch
+        sent, received = result.pipeline.point_to_point(rank)
+        assert sent + received == activation * measured.MICROBATCHES * 2
+    assert result.pipeline.bubble == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    assert result.fits and result.peak == last.peak
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, list[str]]:
