@@ -15,6 +15,7 @@ import torch
 
 from lightning_trn.core.checkpoint import sharded_save
 from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from tests import launch
 from tests.launch import child_env, free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_save_train.py"
@@ -25,32 +26,10 @@ STEPS = 5
 
 def run_job(out: Path, kind: str, *args: str, killed: bool = False, script: Path = SCRIPT) -> Path:
     """Run the 2-rank job (`script`, by default the worker of the module docstring); return its checkpoint directory.
-    `killed`: the job must end by its own SIGKILL (else the kill point was never reached and nothing was tested).
-
-    A job that kills itself kills its process group (`killpg`), so it runs in a session of its own; the warm
-    interpreter's fork takes its other ranks' forks with it (tests/warm_python.py), as the test's `proc.kill()` does
-    for any other job."""
-    out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(script), "--out", str(out), "--kind", kind, *args]
-    proc = subprocess.Popen(
-        command,
-        env=child_env(),
-        cwd=out,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=killed,
+    `killed`: the job must end by its own SIGKILL (`tests.launch.run_job`)."""
+    launch.run_job(
+        script, out, "--out", str(out), "--kind", kind, *args, env=child_env(), killed=killed, timeout=RUN_TIMEOUT_S
     )
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if killed:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the other ranks, if any is left
-        else:
-            proc.kill()
-    expected = -signal.SIGKILL if killed else 0
-    assert proc.returncode == expected, f"exit {proc.returncode}, expected {expected}:\n{output[-3000:]}"
     return out / "ckpts"
 
 

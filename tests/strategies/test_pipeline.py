@@ -12,11 +12,8 @@ send/recv, as TorchNeuron's source snapshot has none).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +27,7 @@ from lightning_trn.core.checkpoint.distributed_checkpoint import write_consolida
 from lightning_trn.core.parallel import pipeline
 from lightning_trn.core.parallel.model_parallel import check_mesh_sizes, mesh_sizes
 from lightning_trn.core.parallel.stage_transport import ring_pairs
-from tests.launch import child_env
+from tests.launch import child_env, run_job
 
 pytestmark = [pytest.mark.native_only, pytest.mark.slow]
 
@@ -44,27 +41,9 @@ RUN_TIMEOUT_S = 240
 
 def _run(out: Path, *args: str, killed: bool = False) -> dict:
     """Run the script (Lightning or Fabric launches its processes); rank 0's record and the gathered weights.
-    `killed`: the job must end by its own SIGKILL (`--kill`), in a session of its own, which its kill takes down
-    (else the kill point was never reached and nothing was tested); it leaves no record."""
-    out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args],
-        env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"),
-        cwd=out,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=killed,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if killed:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the other ranks, if any is left
-        else:
-            proc.kill()
-    assert proc.returncode == (-signal.SIGKILL if killed else 0), stderr[-3000:]
+    `killed`: the job must end by its own SIGKILL (`--kill`, `tests.launch.run_job`); it leaves no record."""
+    env = child_env(LIGHTNING_TRN_STANDIN_DEVICES="4")
+    run_job(SCRIPT, out, "--out", str(out), *args, env=env, killed=killed, timeout=RUN_TIMEOUT_S)
     if killed:
         return {}
     return {**json.loads((out / "run.json").read_text()), "weights": torch.load(out / "weights.pt")}
