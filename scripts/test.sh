@@ -21,8 +21,9 @@ elif [ $# -gt 0 ]; then
 fi
 
 # two pytest-xdist workers per suite, each test module on one worker (its module fixtures run once): while both
-# suites run, each has a core; when one ends, the other has both
-workers=(-n 2 --dist loadfile)
+# suites run, each has a core; when one ends, the other has both. Modules go out in collection order, which
+# tests/conftest.py starts with the slow ones, so a suite does not end on a long module with one worker idle.
+workers=(-n 2 --dist loadfile --no-loadscope-reorder)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 # lint beside the suites (ruff on the repository, mypy on lightning_trn/: scripts/lint.sh); a finding fails the run

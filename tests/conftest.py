@@ -135,11 +135,16 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked for the other suite inside a `both` module are deselected."""
+    """Tests marked for the other suite inside a `both` module are deselected; modules with a `slow` test run first.
+
+    Under `scripts/test.sh` (`--dist loadfile --no-loadscope-reorder`) pytest-xdist hands out modules in this order:
+    the long ones first, so the suite does not end on one of them with the other worker idle."""
     deselected = [item for item in items if item.get_closest_marker(OTHER_SUITE) is not None]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if item.get_closest_marker(OTHER_SUITE) is None]
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_modules)  # stable: each group keeps its order
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> str:

@@ -15,7 +15,7 @@ the first use of the gather and of `torch.save`), then on one of `--numel` (`"mo
 order: `save-full` (`optimizer_state(optimizer)`, gathered to rank 0, which writes `<out>/full-<N>.ckpt`, as the
 strategies do for `state_dict_type="full"`), `save-sharded` (each rank writes its chunks to
 `<out>/sharded-<N>/zero1-rank<r>.pt`, rank 0 the rest to its `checkpoint.pt`, as `_split_checkpoint` does), then
-`load:<path>` for these two and each `--load` path: `NeuronCheckpointIO` with this rank's `zero1_shard`, then
+`load:<path>` for these two and each `--load` path: `NeuronCheckpointIO.reading_shard` of this rank, then
 `optimizer.load_state_dict`.
 """
 
@@ -160,8 +160,9 @@ def run_phases(me: Rank, out: Path, more: list[str]) -> None:
     def load(path: str) -> Callable[[torch.optim.Optimizer], None]:
         def work(optimizer: torch.optim.Optimizer) -> None:
             io = NeuronCheckpointIO()
-            io.zero1_shard = (me.rank, me.world_size)
-            optimizer.load_state_dict(io.load_checkpoint(path)["optimizer_states"][0])
+            with io.reading_shard(me.rank, me.world_size):
+                checkpoint = io.load_checkpoint(path)
+            optimizer.load_state_dict(checkpoint["optimizer_states"][0])
 
         return work
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning_trn import consolidate
 from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.parallel.zero1 import (
+    CHUNK,
     MASTER_WEIGHT,
     Zero1Sharding,
     optimizer_state,
@@ -118,6 +119,30 @@ def test_two_processes_with_sharded_state_end_like_one_process(reference: Path, 
     # between steps nothing is read from the device and no graph is compiled
     run = json.loads((sharded / "run.json").read_text())
     assert (run["scalar_reads"], run["compiles"]) == (0, 0)
+
+
+@pytest.mark.slow
+def test_the_zero1_strategys_load_gives_this_ranks_chunks_and_only_in_that_call(
+    sharded: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ZeRO-1 strategy's load passes its rank and world size to its checkpoint IO for that call only
+    (`DataParallelCore.load_checkpoint`, `NeuronCheckpointIO.reading_shard`): rank 1 of 2 gets its half of each
+    moment (a chunk marker, which `load_state_dict` takes as it is), and the same IO outside the call the full
+    state."""
+    from lightning_trn.pytorch.strategies import NeuronDDPStrategy
+
+    strategy = NeuronDDPStrategy(zero1=True, state_dict_type="sharded")
+    monkeypatch.setattr(NeuronDDPStrategy, "global_rank", property(lambda self: 1))
+    monkeypatch.setattr(NeuronDDPStrategy, "world_size", property(lambda self: 2))
+
+    def moments(checkpoint: dict) -> list[tuple[int | None, int]]:
+        """Each parameter's first moment: (its rank, its elements) for a chunk marker, (None, elements) in full."""
+        states = [state["exp_avg"] for state in checkpoint["optimizer_states"][0]["state"].values()]
+        return [(m["rank"], m[CHUNK].numel()) if isinstance(m, dict) else (None, m.numel()) for m in states]
+
+    chunks = moments(strategy.load_checkpoint(sharded / "final.ckpt"))
+    assert chunks == [(1, math.ceil(n / 2)) for n in NUMELS]
+    assert moments(strategy.checkpoint_io.load_checkpoint(sharded / "final.ckpt")) == [(None, n) for n in NUMELS]
 
 
 @pytest.mark.slow

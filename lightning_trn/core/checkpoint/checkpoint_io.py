@@ -11,11 +11,11 @@ Local checkpoint files are memory-mapped (`torch.load(mmap=True)`): a ZeRO-1 ran
 only its own slices of the optimizer state, not the whole file.
 
 A sharded ZeRO-1 checkpoint is a directory (`lightning_trn.core.parallel.zero1`): loading it gives the checkpoint with
-the full optimizer state, as a full checkpoint would, except under a ZeRO-1 strategy (`zero1_shard` set), where each
-rank gets only its own chunks: from its own file alone at the saved world size, sliced from the memory-mapped files that
-hold them at another. Loading a torch.distributed.checkpoint directory written by a sharded strategy
-(`lightning_trn.core.checkpoint.distributed_checkpoint`) also gives the full checkpoint: a sharded run resumes on one
-device, the CPU or a GPU.
+the full optimizer state, as a full checkpoint would, except inside `reading_shard(rank, world_size)` (a ZeRO-1
+strategy's load), where each rank gets only its own chunks: from its own file alone at the saved world size, sliced
+from the memory-mapped files that hold them at another. Loading a torch.distributed.checkpoint directory written by a
+sharded strategy (`lightning_trn.core.checkpoint.distributed_checkpoint`) also gives the full checkpoint: a sharded run
+resumes on one device, the CPU or a GPU.
 
 The train loaders' resume positions are stored under their own top-level key instead of Lightning's fit-loop state
 (`lightning_trn.core.checkpoint.checkpoint_file.stash_loader_states`: a CPU/GPU run would otherwise refuse the
@@ -24,9 +24,10 @@ checkpoint). Loading through this class puts them back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,16 +88,24 @@ class NeuronCheckpointIO(TorchCheckpointIO):
             directories) refuse it at setup.
 
     Attributes:
-        zero1_shard: `(rank, world_size)` of a ZeRO-1 strategy's process (it sets it): sharded ZeRO-1 directories then
-            load as that rank's chunks (`lightning_trn.core.parallel.zero1.consolidate`), not as full tensors.
         async_checkpointer: the background writer of `async_save=True` (None otherwise).
     """
-
-    zero1_shard: tuple[int, int] | None = None
 
     def __init__(self, async_save: bool = False) -> None:
         super().__init__()
         self.async_checkpointer = AsyncCheckpointer() if async_save else None
+        self._shard: tuple[int, int] | None = None
+
+    @contextlib.contextmanager
+    def reading_shard(self, rank: int, world_size: int) -> Iterator[None]:
+        """Loads inside read sharded ZeRO-1 directories as the chunks of rank `rank` of `world_size`
+        (`lightning_trn.core.parallel.zero1.consolidate`), not as full tensors. A ZeRO-1 strategy's load wraps
+        Lightning's in it: Lightning passes the checkpoint IO the path alone."""
+        previous, self._shard = self._shard, (rank, world_size)
+        try:
+            yield
+        finally:
+            self._shard = previous
 
     @override
     def teardown(self) -> None:
@@ -130,7 +139,7 @@ class NeuronCheckpointIO(TorchCheckpointIO):
                 checkpoint,
                 os.fspath(path),
                 lambda file: torch.load(file, map_location="cpu", weights_only=True, mmap=True),
-                shard=self.zero1_shard,
+                shard=self._shard,
             )
         else:
             checkpoint = self._load_file(path, map_location, weights_only)

@@ -85,13 +85,14 @@ class DataParallelCore(CoreMixinBase):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @override
-    def setup_environment(self) -> None:
-        """The strategy's environment (`NeuronStrategyCore.setup_environment`), then, with ZeRO-1, the checkpoint IO
-        learns this rank's shard."""
-        super().setup_environment()
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """The API's load (the Trainer's and Fabric's differ in their arguments); with ZeRO-1 the checkpoint IO reads
+        a sharded directory as this rank's optimizer chunks only (`NeuronCheckpointIO.reading_shard`)."""
         io = self.checkpoint_io
-        if self.zero1 and isinstance(io, NeuronCheckpointIO):  # a resume reads only this rank's optimizer chunks
-            io.zero1_shard = (self.global_rank, self.world_size)
+        if not (self.zero1 and isinstance(io, NeuronCheckpointIO)):
+            return super().load_checkpoint(*args, **kwargs)
+        with io.reading_shard(self.global_rank, self.world_size):
+            return super().load_checkpoint(*args, **kwargs)
 
     def _broadcast_weights(self, model: Module) -> None:
         """Start every rank from rank 0's parameters and buffers, whatever each process's seed."""
