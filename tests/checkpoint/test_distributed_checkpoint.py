@@ -150,7 +150,8 @@ class _CpuTimeLimit(BaseException):
     """Not an `Exception`: DCP's load catches those around its metadata read."""
 
 
-@pytest.mark.native_only  # about 25 s of CPU: once per CI run; the tests above show both torch versions' reads
+@pytest.mark.slow  # tens of seconds of CPU against its 60 s bar: CI, not the inner loop
+@pytest.mark.native_only  # once per CI run; the tests above show both torch versions' reads
 def test_8b_shaped_checkpoint_consolidates_in_under_a_minute(tmp_path: Path) -> None:
     """Llama-3-8B's layout on 64 ranks: 1,176 entries (1,164 tensors), 56,163 chunks, `.metadata` of 6.7 MB.
     Consolidating it takes 17-22 s of CPU here (2-core VM shared with other jobs: 29-49 s wall); the same read entry

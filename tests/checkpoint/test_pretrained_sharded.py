@@ -21,7 +21,7 @@ from lightning_trn import load_pretrained, meta_model_from_pretrained
 from tests.checkpoint.test_pretrained import TINY, Folder, check_single_device, save_llama
 from tests.launch import child_env
 
-pytestmark = pytest.mark.native_only
+pytestmark = [pytest.mark.native_only, pytest.mark.slow]  # multi-process loads: CI, not the inner loop
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "pretrained_load.py"
 RUN_TIMEOUT_S = 240

@@ -70,6 +70,7 @@ def _measured_peaks(out: Path, strategy: str, checkpointing: bool, devices: int)
     return [json.loads((out / f"peak-{rank}.json").read_text()) for rank in range(devices)]
 
 
+@pytest.mark.slow  # a real multi-process run per layout: CI, not the inner loop
 @pytest.mark.parametrize(
     ("strategy", "checkpointing", "devices"),
     [
@@ -98,6 +99,7 @@ def test_estimated_peak_matches_the_allocator(tmp_path: Path, strategy: str, che
     assert result.collectives and all(c.count > 0 and c.bytes_per_rank > 0 for c in result.collectives)
 
 
+@pytest.mark.slow  # a real multi-process run: CI, not the inner loop
 def test_estimated_stage_peaks_match_the_allocator(tmp_path: Path) -> None:
     """Pipeline stages (2 ranks, 1F1B over 4 microbatches): one simulated rank per stage, the schedule run in the
     simulation, each stage's peak within 5 % of the real rank holding that stage (measured here: 2.1 % over on the
