@@ -99,6 +99,20 @@ _ADVICE = {
         "where the state is replicated",
     ),
 }
+#: with pipeline stages a stage holds the activations of the microbatches in flight (up to the stages under 1F1B,
+#: all of them under GPipe), so the micro-batch to lower is the pipeline's microbatch, not the batch
+_PIPELINE_ADVICE = {
+    RECIPE: (
+        "activations dominate: split each batch into more, smaller microbatches (model.pipeline_microbatches), use "
+        "model.pipeline_schedule=1F1B if it is GPipe (GPipe holds every microbatch's activations), or turn on "
+        "activation checkpointing (model.activation_checkpointing=true)"
+    ),
+    API: (
+        "activations dominate: split each batch into more, smaller microbatches (NeuronModelParallelStrategy("
+        "pipeline_microbatches=...)), use pipeline_schedule='1F1B' if it is GPipe (GPipe holds every microbatch's "
+        "activations), or checkpoint the blocks' activations in configure_model"
+    ),
+}
 
 
 @dataclass
@@ -251,6 +265,8 @@ class Estimate:
         worst = max(self.ranks, key=lambda rank: rank.peak)
         over = (self.needed - self.capacity) / _GIB
         activations, state = _ADVICE[self.caller]
+        if self.pipeline is not None:
+            activations = _PIPELINE_ADVICE[self.caller]
         dominated = worst.activations + worst.temporaries >= worst.parameters + worst.gradients + worst.optimizer_state
         return f"does not fit: {over:.2f} GiB over; {activations if dominated else state}."
 

@@ -125,6 +125,11 @@ def test_a_pipeline_report_has_a_row_per_stage_the_bubble_and_the_transfers() ->
         sent, received = result.pipeline.point_to_point(rank)
         assert sent + received == activation * microbatches * 2 * neighbours
     lines = result.format().splitlines()
+    # a stage's activations: more, smaller microbatches of the same batch, not a smaller batch
+    assert "model.pipeline_microbatches" not in result.advice()
+    assert "NeuronModelParallelStrategy(pipeline_microbatches=...)" in result.advice()
+    result.caller = "recipe"
+    assert "model.pipeline_microbatches" in result.advice() and "data.batch_size" not in result.advice()
     assert lines[0] == "world size 64, trn2: 24 GiB per rank"
     assert lines[1].startswith("pipeline: 1F1B, 4 pipeline ranks, 8 microbatches: bubble (p-1)/(m+p-1) = 27.3 % ")
     rows = [[cell.strip() for cell in line.split("|")] for line in lines if line.lstrip().startswith(("0 |", "16 |"))]

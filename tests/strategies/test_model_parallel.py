@@ -25,7 +25,7 @@ from lightning_trn.core.checkpoint import distributed_checkpoint
 from lightning_trn.core.checkpoint.distributed_checkpoint import DistributedCheckpointReader, write_consolidated
 from lightning_trn.fabric import NeuronModelParallelStrategy as FabricNeuronModelParallelStrategy
 from lightning_trn.pytorch.strategies import NeuronFSDPStrategy
-from tests.launch import child_env
+from tests.launch import child_env, run_job
 from tests.test_misconfiguration import documented_rows
 
 pytestmark = pytest.mark.native_only
@@ -38,17 +38,9 @@ RUN_TIMEOUT_S = 240
 
 def _run(out: Path, *args: str) -> dict:
     """Run the script (it launches its own processes); rank 0's record and final full weights."""
-    out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
-    result = subprocess.run(
-        command,
-        env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"),
-        cwd=out,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
+    run_job(
+        SCRIPT, out, "--out", str(out), *args, env=child_env(LIGHTNING_TRN_STANDIN_DEVICES="4"), timeout=RUN_TIMEOUT_S
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     return {**json.loads((out / "run.json").read_text()), "weights": torch.load(out / "weights.pt")}
 
 

@@ -204,6 +204,12 @@ def test_v_schedules_put_the_first_and_last_stages_on_rank_0() -> None:
         ({"pipeline_schedule": "ZBVZeroBubble", "pipeline_stages_per_rank": 3}, "runs exactly 2 stages per rank"),
         ({"stage_transport": "rdma"}, "choose one of broadcast, send_recv"),
         ({"pipeline_microbatches": 0}, "give a positive number of microbatches"),
+        ({"pipeline_schedule": "1F1B", "pipeline_microbatches": 1}, r"1F1B needs at least as many microbatches as"),
+        ({"pipeline_schedule": "GPipe", "pipeline_microbatches": 1}, r"Use pipeline_microbatches >= 2"),
+        (
+            {"pipeline_schedule": "Interleaved1F1B", "pipeline_microbatches": 5},
+            r"= 2 rounds of equal size, which 5 microbatches do not fill. Use a multiple of 2 \(e.g. 4\)",
+        ),
     ],
 )
 def test_pipeline_settings_are_checked_at_construction(arguments: dict, message: str) -> None:

@@ -295,8 +295,9 @@ def split_for_rank(
     return stages, [_part(model, stack_path, set(contents[stage])) for stage in stages]
 
 
-def check_schedule(schedule: str, stages_per_rank: int) -> None:
-    """Refuse a schedule lightning_trn does not run, or a stage count it cannot have, with the choices."""
+def check_schedule(schedule: str, stages_per_rank: int, ranks: int, microbatches: int | None) -> None:
+    """Refuse a schedule lightning_trn does not run, a stage count it cannot have, or a microbatch count its torch
+    schedule refuses later (when the model is split, or in the middle of an estimate), with the choices."""
     if schedule not in SCHEDULES:
         raise ValueError(
             f"pipeline_schedule={schedule!r} is not one lightning_trn runs: choose one of {', '.join(SCHEDULES)} "
@@ -307,6 +308,23 @@ def check_schedule(schedule: str, stages_per_rank: int) -> None:
         raise ValueError(f"pipeline_schedule={schedule!r} runs exactly 2 stages per rank (a V).")
     if schedule not in SINGLE_STAGE_SCHEDULES and stages_per_rank < 2:
         raise ValueError(f"pipeline_schedule={schedule!r} interleaves stages: pipeline_stages_per_rank must be >= 2.")
+    if microbatches is None:
+        return  # the number of stages: every schedule takes it
+    if microbatches < 1:
+        raise ValueError(f"pipeline_microbatches={microbatches!r}: give a positive number of microbatches.")
+    if schedule in SINGLE_STAGE_SCHEDULES and microbatches < ranks:
+        # torch 2.9 refuses it for both, later versions for 1F1B; with fewer, a stage idles through the whole step
+        raise ValueError(
+            f"pipeline_microbatches={microbatches} with {ranks} pipeline stages: {schedule} needs at least as many "
+            f"microbatches as stages. Use pipeline_microbatches >= {ranks}."
+        )
+    rounds = max(1, microbatches // ranks)
+    if schedule not in SINGLE_STAGE_SCHEDULES and microbatches % rounds:
+        raise ValueError(
+            f"pipeline_microbatches={microbatches} with {ranks} pipeline ranks: {schedule} runs them in"
+            f" max(1, microbatches // ranks) = {rounds} rounds of equal size, which {microbatches} microbatches do not"
+            f" fill. Use a multiple of {ranks} (e.g. {rounds * ranks}) or at most {ranks}."
+        )
 
 
 def build_schedule(
@@ -361,11 +379,9 @@ class Pipelining:
         self.schedule = schedule
         self.stages_per_rank = 1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank
         if size > 1:
-            check_schedule(schedule, self.stages_per_rank)
+            check_schedule(schedule, self.stages_per_rank, size, microbatches)
             if transport not in TRANSPORTS:
                 raise ValueError(f"stage_transport={transport!r}: choose one of {', '.join(TRANSPORTS)}.")
-            if microbatches is not None and microbatches < 1:
-                raise ValueError(f"pipeline_microbatches={microbatches!r}: give a positive number of microbatches.")
         self.num_stages = size * self.stages_per_rank
         self.microbatches = microbatches or self.num_stages
         self.transport = transport
