@@ -315,6 +315,12 @@ def _seed(seed: int) -> None:
     getattr(torch, DEVICE).manual_seed_all(seed)
 
 
+def _manual_seed(seed: int) -> torch.Generator:
+    """`torch.manual_seed` for the sweep's duration (OpInfo's sample iterators reseed per sample): `_seed`."""
+    _seed(seed)
+    return torch.default_generator
+
+
 def _call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """`fn(*args, **kwargs)` from the same random state on either device."""
     _seed(SEED)
@@ -628,7 +634,20 @@ def sweep(
         checks += [(check_module, m) for m in select(module_db, lambda m: m.name, sample, names)]
     results = []
     devices = range(torch.get_device_module(DEVICE).device_count())
-    with warnings.catch_warnings(), torch.random.fork_rng(devices, device_type=DEVICE):  # keeps the caller's RNG state
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.opinfo import core
+
+    # Each sample-input iterator, and an OpInfo for its skips, looks for the unittest test running it by
+    # `inspect.stack()`, which reads the source line of every frame: under pytest's deep stack that was three quarters
+    # of the sweep. A sweep runs in no unittest test, so the answer is None (and if a caller's test were found, its
+    # name would reseed the samples: the results would depend on the caller). The iterators also reseed each sample
+    # with `torch.manual_seed`, whose queued CUDA, XPU and MTIA seeding records the stack each time: `_seed` instead.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        stack.enter_context(torch.random.fork_rng(devices, device_type=DEVICE))  # keeps the caller's RNG state
+        for module in (common_utils, core):
+            stack.enter_context(mock.patch.object(module, "extract_test_fn", lambda: None))
+        stack.enter_context(mock.patch.object(torch, "manual_seed", _manual_seed))
         warnings.simplefilter("ignore")
         for check, item in checks:
             results.append(check(item))
