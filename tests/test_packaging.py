@@ -57,10 +57,11 @@ def _fresh_env_with_wheel(tmp_path: Path) -> Path:
     )
     (wheel,) = (tmp_path / "dist").glob("lightning_trn-*.whl")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # without pip of its own (installing it is most of a venv's creation): this environment's pip installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
         check=True,
         capture_output=True,
         text=True,
@@ -83,32 +84,33 @@ def test_the_wheel_installs_the_recipes_under_the_package_and_no_top_level_recip
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(python), *args],
-            cwd=run_dir,
-            env={**env, "PJRT_DEVICE": "CPU"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-
-    where = run(
-        "-c", "import importlib.util as u, lightning_trn.recipes as r; print(r.__file__); print(u.find_spec('recipes'))"
+    # one interpreter (each costs seconds cold): where the package and a top-level `recipes` come from, then the
+    # command, as `python -m lightning_trn.recipes.llm --help` runs it: its config file and schema load (`--help`
+    # lists every key)
+    probe = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u, runpy, sys, lightning_trn.recipes as r\n"
+            "print(r.__file__); print(u.find_spec('recipes'), flush=True)\n"
+            "sys.argv = ['llm', '--help']\n"
+            "runpy.run_module('lightning_trn.recipes.llm', run_name='__main__', alter_sys=True)",
+        ],
+        cwd=run_dir,
+        env={**env, "PJRT_DEVICE": "CPU"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert where.returncode == 0, where.stderr
-    package_file, recipes_spec = where.stdout.split()[-2:]
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    package_file, recipes_spec, usage = probe.stdout.split("\n", 2)
     assert package_file.startswith(str(tmp_path / "venv")), package_file  # the wheel's copy, not the checkout
     assert recipes_spec == "None"
     record = next((python.parents[1] / "lib").glob("python*/site-packages/lightning_trn-*.dist-info/RECORD"))
     installed = [line.split(",")[0] for line in record.read_text().splitlines()]
     assert "lightning_trn/recipes/configs/llm.yaml" in installed
     assert not [name for name in installed if name.startswith("recipes/")]
-
-    # the command runs from the installed package: its config file and schema load (`--help` lists every key)
-    usage = run("-m", "lightning_trn.recipes.llm", "--help")
-    assert usage.returncode == 0 and "model.num_kv_heads=2" in usage.stdout, usage.stderr[-2000:]
+    assert "model.num_kv_heads=2" in usage, usage[-2000:]
 
 
 def test_the_checkout_alias_runs_the_packaged_recipe_command():
