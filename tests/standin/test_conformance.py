@@ -14,7 +14,6 @@ pytestmark = pytest.mark.native_only
 SAMPLE = 4  # every 4th op and module by name: 176 ops and 29 modules
 
 
-@pytest.mark.slow  # a sweep of 205 ops and modules: CI, not the inner loop (which keeps the KNOWN check below)
 def test_sampled_ops_and_modules_equal_the_cpus_or_are_known() -> None:
     results = conformance.sweep(sample=SAMPLE)
     assert len(results) == 176 + 29
