@@ -16,6 +16,14 @@ from lightning_trn.runtime import get_runtime
 pytestmark = pytest.mark.both
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    """Dynamo's caches are per code object and shared by every module the process compiled: `nn.Module`'s call is
+    one code object, so after an earlier test's modules took its recompile limit (8), a module compiled here ran
+    eagerly ("found no compiled frames"; seen in CI when another module ran first on the worker)."""
+    torch._dynamo.reset()
+
+
 class CompiledRegression(RegressionModel):
     """`RegressionModel` with its layer compiled by `lightning_trn.compile` (or not, for the reference)."""
 
