@@ -10,6 +10,10 @@
 # each child a fork of it); LIGHTNING_TRN_TEST_COLD=1 starts every child fresh instead.
 # `scripts/test.sh --quick` is the inner loop: both suites without the `slow` end-to-end modules (recipes,
 # multi-process kill/resume runs, packaging), about 5 minutes; CI runs everything.
+# The `numerics` tests (float32 equality with a reference, tolerances from tests/tolerance.py) then run again in the
+# native suite under a second ATEN_CPU_CAPABILITY (`default`, or `avx2` when the first was `default`): the kernels a
+# CPU's instruction set selects change float32 summation orders, and a tolerance must hold on every CPU. Every
+# comparison's measured ratio to its bound is printed at the end (LIGHTNING_TRN_TOLERANCE_LOG).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 select=()
@@ -26,6 +30,7 @@ fi
 workers=(-n 2 --dist loadfile --no-loadscope-reorder)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
+export LIGHTNING_TRN_TOLERANCE_LOG="$scratch/tolerance.jsonl"
 # lint beside the suites (ruff on the repository, mypy on lightning_trn/: scripts/lint.sh); a finding fails the run
 scripts/lint.sh >"$scratch/lint.log" 2>&1 &
 lint=$!
@@ -40,6 +45,13 @@ LIGHTNING_TRN_REQUIRE_NATIVE=1 python -m pytest "${workers[@]}" --durations=15 -
 wait "$native" || status=$?
 echo "================ native suite (.venv-native/, the neuron stand-in) ================"
 cat "$scratch/native.log"
+if [ "${ATEN_CPU_CAPABILITY:-}" = default ]; then second=avx2; else second=default; fi
+numerics=(-m numerics)
+if [ ${#select[@]} -gt 0 ]; then numerics=(-m "numerics and not slow"); fi
+echo "================ numerics tests again, native suite, ATEN_CPU_CAPABILITY=$second ================"
+ATEN_CPU_CAPABILITY=$second .venv-native/bin/python -m pytest "${workers[@]}" -p no:cacheprovider \
+  --basetemp="$scratch/numerics" "${numerics[@]}" tests || status=$?
+python tests/tolerance.py "$LIGHTNING_TRN_TOLERANCE_LOG"
 echo "================ scripts/lint.sh ================"
 cat "$scratch/lint.log"
 wait "$lint" || { status=1; echo "scripts/lint.sh failed: fix the findings above" >&2; }

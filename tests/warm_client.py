@@ -24,6 +24,7 @@ IMPORT_TIME_PREFIXES = (
     "TORCHINDUCTOR",
     "PYTORCH_JIT",
     "MKL_",
+    "ATEN_CPU_CAPABILITY",  # read once, at the first dispatch: a fork would keep the warm interpreter's kernels
     "KMP_",
     "OPENBLAS",
     "GOTO",

@@ -118,7 +118,7 @@ def test_estimated_stage_peaks_match_the_allocator(tmp_path: Path) -> None:
     for rank in (0, 1):  # each stage sends one way and receives the other, once per microbatch
         sent, received = result.pipeline.point_to_point(rank)
         assert sent + received == activation * measured.MICROBATCHES * 2
-    assert result.pipeline.bubble == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    assert result.pipeline.bubble == pytest.approx(1 / 5)  # (p-1)/(m+p-1), up to float64 rounding
     assert result.fits and result.peak == last.peak
 
 

@@ -86,7 +86,7 @@ def test_an_environment_that_cannot_simulate_is_refused_with_a_paragraph(
 def test_bubble_fraction_of_each_schedule(
     schedule: str, ranks: int, microbatches: int, stages_per_rank: int, bubble: float
 ) -> None:
-    assert bubble_fraction(schedule, ranks, microbatches, stages_per_rank) == pytest.approx(bubble)
+    assert bubble_fraction(schedule, ranks, microbatches, stages_per_rank) == pytest.approx(bubble)  # float64 quotients
 
 
 def test_bubble_fraction_refuses_an_unknown_schedule() -> None:

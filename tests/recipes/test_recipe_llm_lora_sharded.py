@@ -20,7 +20,7 @@ from tests.recipes.test_recipe_llm_lora import LORA
 from tests.recipes.test_recipe_llm_pretrained import STEP, save_folder
 from tests.recipes.test_recipe_llm_pretrained_sharded import _train_losses
 
-pytestmark = [pytest.mark.native_only, pytest.mark.slow]
+pytestmark = [pytest.mark.native_only, pytest.mark.slow, pytest.mark.numerics]
 
 
 def _load(checkpoint: Path) -> dict:

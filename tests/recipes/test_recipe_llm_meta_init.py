@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -56,22 +55,21 @@ def _resident_bytes() -> int:
 
 def test_trn2_8b_preset_model_is_built_on_meta_without_memory() -> None:
     """`build_model` under the preset's model_parallel strategy: every tensor on meta, the exact parameter count of
-    Llama-3-8B's shape with a 32k vocabulary, in well under a second and without host memory (eager: 29 GB fp32)."""
+    Llama-3-8B's shape with a 32k vocabulary, without host memory (eager: 29 GB fp32)."""
     preset = list(llm.PRESETS["trn2-8b"])
     # the preset's settings with a small model first: were it built eagerly, the 8 B one would take 29 GB
     small = llm.build_model(cli.load_config(llm.RECIPE, [*preset, "data.vocab_size=300", "model.num_layers=1"]))
     assert all(t.is_meta for t in small.parameters())
     cfg = cli.load_config(llm.RECIPE, preset)
     assert cfg.trainer.strategy == "model_parallel"
-    before, start = _resident_bytes(), time.perf_counter()
+    before = _resident_bytes()
     module = llm.build_model(cfg)
-    elapsed, grown = time.perf_counter() - start, _resident_bytes() - before
+    grown = _resident_bytes() - before
     assert all(t.is_meta for t in module.net.parameters()) and all(t.is_meta for t in module.net.buffers())
     vocab, hidden, inter, layers, kv = 32000, 4096, 14336, 32, 8 * 128
     per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
     expected = 2 * vocab * hidden + layers * per_layer + hidden
     assert sum(p.numel() for p in module.parameters()) == expected == 7_241_732_096
-    assert elapsed < 10, elapsed
     assert grown < 256 * 2**20, f"{grown / 2**20:.0f} MiB"
 
 

@@ -65,6 +65,7 @@ def _train_losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_tensor_parallel_llm_trains_like_one_device(tmp_path) -> None:
     """`trainer.strategy=model_parallel model.tensor_parallel_size=2` (`recipes.llm.parallelize`, TorchTitan's whole
     plan: embedding and LM head split over the vocabulary, the cross entropy under `loss_parallel`, column-wise q/k/v

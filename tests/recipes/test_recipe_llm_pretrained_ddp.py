@@ -25,7 +25,7 @@ from tests.launch import child_env
 from tests.recipe_runs import run
 from tests.recipes.test_recipe_llm_pretrained import Folder, save_folder
 
-pytestmark = [pytest.mark.native_only, pytest.mark.slow]
+pytestmark = [pytest.mark.native_only, pytest.mark.slow, pytest.mark.numerics]
 
 STEPS = 4
 LR = 1.0e-3

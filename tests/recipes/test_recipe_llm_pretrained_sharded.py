@@ -24,6 +24,7 @@ def _train_losses(run_dir: Path) -> list[float]:
         return [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
 
 
+@pytest.mark.numerics
 def test_sharded_fine_tuning_from_a_folder_matches_one_device(tmp_path: Path) -> None:
     folder = save_folder(tmp_path)
     common = [

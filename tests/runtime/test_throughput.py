@@ -129,7 +129,7 @@ def test_mfu_against_the_chips_peak_without_device_reads(tmp_path, monkeypatch, 
     logger, transfers = _fit(tmp_path, precision, monitor=True)
     rows = [row for row in logger.rows if "train/device/mfu" in row]
     assert len(rows) == STEPS - WINDOW + 1
-    for row in rows:
+    for row in rows:  # the same products and quotients in another order: float rounding, far under approx's 1e-6
         assert row["train/device/flops_per_sec"] == pytest.approx(FLOPS_PER_BATCH * row["train/device/batches_per_sec"])
         assert row["train/device/mfu"] == pytest.approx(row["train/device/flops_per_sec"] / PEAK_FLOPS["trn1"][dtype])
     _, unmonitored = _fit(tmp_path / "plain", precision, monitor=False)
@@ -203,6 +203,7 @@ def test_tensor_parallel_groups_count_once(monkeypatch):
     assert metrics["device/samples_per_sec"] == batch / seconds  # per tensor-parallel group
     assert metrics["samples_per_sec"] == 4 * batch / seconds
     assert metrics["flops_per_sec"] == 4 * FLOPS_PER_BATCH / seconds
+    # below, approx's default rel 1e-6: the same quotients and products in another order, float64 rounding only
     assert metrics["device/mfu"] == pytest.approx(FLOPS_PER_BATCH / seconds / (2 * peak))
     tokens = batch * seq_len / seconds  # one group's
     assert metrics["core/items_per_sec"] == pytest.approx(tokens / 4)

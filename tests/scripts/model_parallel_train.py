@@ -218,7 +218,7 @@ def train_with_fabric(args: argparse.Namespace, loader: DataLoader) -> tuple[dic
     fabric.launch()
     fabric.seed_everything(SEED)
     with fabric.init_module(empty_init=args.meta):
-        model = TokenNet()
+        model = TokenNet().to(torch.float64 if args.float64 else torch.float32)
     transfer = SetupTransfer(fabric.device) if args.fsdp else None
     model = fabric.setup_module(model)  # sharding replaces the parameters: the optimizer comes after
     setup_transfer = {"setup_transfer": transfer.record(model)} if transfer else {}
@@ -291,6 +291,8 @@ def train_with_trainer(args: argparse.Namespace, loader: DataLoader) -> tuple[di
     )
     with trainer.init_module(empty_init=args.meta):
         model = FSDPTokenModel() if args.fsdp else TokenModel()
+    # float64: Lightning's ModelParallelStrategy refuses precision="64-true"; the cast is what that plugin would do
+    model = model.to(torch.float64 if args.float64 else torch.float32)
     per_rank = GLOBAL_BATCH // args.dp // ACCUMULATE
     # sharded: Lightning's DistributedSampler (shuffled with the global seed); one device: the same sampler, given
     train = loader if args.single else DataLoader(loader.dataset, batch_size=per_rank, shuffle=True)
@@ -317,6 +319,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps in all")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--float64", action="store_true", help="the reference's float64 twin (tests/tolerance.py)")
     parser.add_argument(
         "--save",
         action="store_true",

@@ -170,7 +170,7 @@ def train_with_fabric(args: argparse.Namespace, data: TensorDataset) -> tuple[di
     fabric = Fabric(accelerator=args.accelerator, devices=devices, strategy=fabric_strategy)
     fabric.launch()
     fabric.seed_everything(SEED)
-    model = fabric.setup_module(PipeNet())
+    model = fabric.setup_module(PipeNet().to(torch.float64 if args.float64 else torch.float32))
     (pipeline,) = pipelines
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -231,7 +231,8 @@ def train_with_trainer(args: argparse.Namespace, data: TensorDataset) -> tuple[d
     )
     if args.kill:
         kill_after_the_save(trainer)
-    model = PipelineModel()
+    # float64: Lightning's ModelParallelStrategy refuses precision="64-true"; the cast is what that plugin would do
+    model = PipelineModel().to(torch.float64 if args.float64 else torch.float32)
     per_rank = GLOBAL_BATCH // data_ranks // ACCUMULATE
     train = DataLoader(data, batch_size=per_rank, shuffle=True)
     val = DataLoader(TensorDataset(data.tensors[0][:16]), batch_size=GLOBAL_BATCH // data_ranks)
@@ -256,6 +257,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--schedule", default="1F1B")
+    parser.add_argument("--float64", action="store_true", help="the reference's float64 twin (tests/tolerance.py)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps in all")
     parser.add_argument("--validate", action="store_true", help="2 validation batches at the end")
     parser.add_argument("--save", action="store_true", help="a checkpoint after optimizer step 3")

@@ -38,6 +38,9 @@ def test_convolutions_give_the_cpus_outputs_and_gradients(make) -> None:  # type
     x = torch.randn(2, channels, *([9] * (cpu.weight.dim() - 2)))
     expected = _forward_backward(cpu, x)
     served = _forward_backward(device, x.to("neuron"))
+    # the CPU's convolution kernels on host copies: equal, or a few float32 ulps (eps 1.2e-7) apart where a kernel
+    # blocks the copies otherwise: of outputs and input gradients of order 1 (under 1e-6), and of weight gradients,
+    # sums over every output position (<= ~30: under 1e-5)
     torch.testing.assert_close(served[0], expected[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(served[1], expected[1], atol=1e-6, rtol=1e-6)
     for mine, theirs in zip(served[2], expected[2], strict=True):
@@ -62,13 +65,15 @@ def test_batch_norm_updates_its_running_statistics_as_on_the_cpu(make, track_run
         x = torch.randn(*shape) * (step + 1) + step
         expected = _forward_backward(cpu, x)
         served = _forward_backward(device, x.to("neuron"))
+        # the CPU's batch norm on host copies: a few float32 ulps apart at most, and rtol 1e-5 is ~80 ulps at any scale
         for mine, theirs in zip(
             (served[0], served[1], *served[2]), (expected[0], expected[1], *expected[2]), strict=True
         ):
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
-    for name, buffer in cpu.named_buffers():  # running_mean, running_var, num_batches_tracked
+    # running_mean, running_var (<= ~9: 1 ulp = 9.5e-7), num_batches_tracked: a few ulps, under 1e-6 + 1e-6 x |x|
+    for name, buffer in cpu.named_buffers():
         torch.testing.assert_close(dict(device.named_buffers())[name].cpu(), buffer, atol=1e-6, rtol=1e-6, msg=name)
     cpu.eval()
     device.eval()  # evaluation reads the running statistics
-    x = torch.randn(*shape)
+    x = torch.randn(*shape)  # statistics equal to a few ulps: so are the normalized outputs (order 1), under 1e-5
     torch.testing.assert_close(device(x.to("neuron")).detach().cpu(), cpu(x).detach(), atol=1e-5, rtol=1e-5)

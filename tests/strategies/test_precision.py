@@ -184,6 +184,8 @@ def test_stochastic_round_is_unbiased_and_keeps_representable_values():
         seen = set(samples[:, i].tolist())
         assert len(seen) == 2  # exactly the two neighbouring bf16 values
         assert min(seen) < v < max(seen)
+        # the mean of 20000 draws of neighbours s apart has std s x sqrt(p (1 - p) / 20000) <= s / 283, and s <= 2**-7 v
+        # here: at most 2.8e-5 of v, so 2e-4 is 7 standard deviations
         assert samples[:, i].mean().item() == pytest.approx(v.item(), rel=2e-4)
     exact = torch.randn(1000).to(BF16)
     assert torch.equal(stochastic_round_to_bf16(exact.float()), exact)
@@ -252,6 +254,8 @@ def test_software_rounding_works_without_torch_xla(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     mean = float(result.stdout.split("MEAN")[1].split()[0])
+    # unbiased: each weight's 100 roundings (p ~ 1/4 of the spacing 2**-8) add variance 100 x 0.19 x 2**-16, std
+    # 0.017; the mean of 4096 weights has std 2.7e-4, and 2e-3 is 7 of them
     assert mean == pytest.approx(0.9, abs=2e-3)
     assert "torch.bfloat16" in result.stdout
 
@@ -371,4 +375,6 @@ def test_bf16_mixed_attention_casts_its_inputs_as_the_cpu_autocast_does():
         with plugin.forward_context():
             out = F.scaled_dot_product_attention(q.to(device), k.to(device), value.to(device), is_causal=True)
         assert out.dtype == expected.dtype == torch.bfloat16
+        # both in bf16 from the same bf16-rounded inputs, the output rounded to bf16: a few bf16 roundings (eps 7.8e-3)
+        # of values of order 1, which 8e-3 + 1e-2 x |out| covers
         torch.testing.assert_close(out.cpu(), expected, atol=8e-3, rtol=1e-2)

@@ -92,6 +92,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_two_processes_with_sharded_state_end_like_one_process(reference: Path, sharded: Path, tmp_path: Path) -> None:
     _assert_same_training_state(_checkpoint(sharded / "final.ckpt"), _checkpoint(reference / "final.ckpt"))
     # each rank wrote its own half of the optimizer state; the main file holds none of it
@@ -155,6 +156,7 @@ def test_the_zero1_strategys_load_gives_this_ranks_chunks_and_only_in_that_call(
         pytest.param("2->2", marks=pytest.mark.native_only),
     ],
 )
+@pytest.mark.numerics
 def test_resume_on_another_world_size_ends_like_the_uninterrupted_run(
     tmp_path: Path, reference: Path, sharded: Path, direction: str
 ) -> None:
@@ -173,6 +175,7 @@ def test_resume_on_another_world_size_ends_like_the_uninterrupted_run(
 @pytest.mark.slow
 # plain DDP's Fabric clipping is backend-independent host logic: checked in the native suite only (CI time)
 @pytest.mark.parametrize("strategy", ["neuron_zero1", pytest.param("neuron_ddp", marks=pytest.mark.native_only)])
+@pytest.mark.numerics
 def test_fabric_loop_on_two_processes_ends_like_the_trainer_on_one_process(
     tmp_path: Path, reference: Path, strategy: str
 ) -> None:
@@ -265,6 +268,8 @@ def test_sharding_an_optimizer_that_stepped_keeps_its_state(one_rank_group: None
     _step(model, sharding)
     twin(_ones()).square().mean().backward()
     plain.step()
+    # the same gradients, the same elementwise Adam step on flat padded chunks: at most the last-bit rounding of
+    # another vectorised or fused evaluation, an ulp of the weights and moments (< 0.7: <= 6e-8)
     for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-7, rtol=0)
     gathered = optimizer_state(optimizer)
@@ -287,6 +292,8 @@ def test_clipping_uses_the_norm_of_all_chunks(one_rank_group: None) -> None:
     expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
     torch.testing.assert_close(norm, expected)
     clipped = [p.grad for group in sharding.optimizer.param_groups for p in group["params"]]
+    # the norm of 18 gradients summed in another grouping, a few ulps (eps 1.2e-7) off, scales clipped gradients of
+    # at most 0.5 / sqrt(6) = 0.2 (6 equal entries per output): ~6e-8 apart
     for mine, theirs in zip(clipped, twin.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs.grad.reshape(-1), atol=1e-7, rtol=0)
 
@@ -320,6 +327,8 @@ def test_on_neuron_the_step_is_one_graph_with_xla_collectives() -> None:
     twin(_ones()).square().mean().backward()
     torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
     plain.step()
+    # Adam's first step moves w by lr x cg / (|cg| + 1e-8), blind to the clip factor c's rounding (|cg| >> 1e-8): the
+    # weights differ by their last-bit rounding (< 0.7: <= 6e-8)
     for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(mine.cpu(), theirs.cpu(), atol=1e-7, rtol=0)
 
