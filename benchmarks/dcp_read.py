@@ -1,6 +1,8 @@
 """Reading a sharded checkpoint of Llama-3-8B's layout on 64 ranks: consolidation, safetensors export and the
 one-device load, against reading it entry by entry as lightning_trn did before (one `FileSystemReader` and one
-`dcp.load` per tensor entry, each parsing `.metadata` again).
+`dcp.load` per tensor entry, each parsing `.metadata` again), and beside torch's own whole-directory conversion,
+`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` (one `dcp.load` of everything: the host holds the whole
+state at once, where `consolidate` holds one batch).
 
 `python -m benchmarks.dcp_read [--layers 32] [--ranks 64] [--scale 64] [--baseline-entries 24]`
 
@@ -35,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         sample = keys if args.baseline_entries <= 0 else keys[:: max(1, len(keys) // args.baseline_entries)]
         before = [seconds / len(sample) * len(keys) for seconds in _timed(read_entry_by_entry, checkpoint, sample)]
         after = _timed(write_consolidated, checkpoint, os.path.join(scratch, "one.ckpt"))
+        torch_own = _timed(dcp_to_torch_save, checkpoint, os.path.join(scratch, "torch.pt"))
         loaded = _timed(load_consolidated, checkpoint)
         exported = _timed(write_safetensors, checkpoint, os.path.join(scratch, "model.safetensors"))
     entries = len(reader.metadata.state_dict_metadata)
@@ -227,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         "before: entry by entry",
         "consolidate",
         "ratio (CPU)",
+        "torch's dcp_to_torch_save",
+        "consolidate / torch's (CPU)",
         "load_consolidated",
         "safetensors export",
     ]
@@ -241,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{before[0]:.0f} s ({before[1]:.0f} s CPU{estimate})",
                     f"{after[0]:.1f} s ({after[1]:.1f} s CPU)",
                     f"{before[1] / after[1]:.0f}x",
+                    f"{torch_own[0]:.1f} s ({torch_own[1]:.1f} s CPU)",
+                    f"{after[1] / torch_own[1]:.2f}",
                     f"{loaded[0]:.1f} s ({loaded[1]:.1f} s CPU)",
                     f"{exported[0]:.1f} s ({exported[1]:.1f} s CPU)",
                 ]

@@ -11,9 +11,9 @@
 # `scripts/test.sh --quick` is the inner loop: both suites without the `slow` end-to-end modules (recipes,
 # multi-process kill/resume runs, packaging), about 5 minutes; CI runs everything.
 # The `numerics` tests (float32 equality with a reference, tolerances from tests/tolerance.py) then run again in the
-# native suite under a second ATEN_CPU_CAPABILITY (`default`, or `avx2` when the first was `default`): the kernels a
-# CPU's instruction set selects change float32 summation orders, and a tolerance must hold on every CPU. Every
-# comparison's measured ratio to its bound is printed at the end (LIGHTNING_TRN_TOLERANCE_LOG).
+# native suite under a second ATEN_CPU_CAPABILITY (`default`, or `avx2` when the first was `default`), right after
+# it: the kernels a CPU's instruction set selects change float32 summation orders, and a tolerance must hold on every
+# CPU. Every measured comparison's ratio to its bound is printed at the end (LIGHTNING_TRN_TOLERANCE_LOG).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 select=()
@@ -34,10 +34,19 @@ export LIGHTNING_TRN_TOLERANCE_LOG="$scratch/tolerance.jsonl"
 # lint beside the suites (ruff on the repository, mypy on lightning_trn/: scripts/lint.sh); a finding fails the run
 scripts/lint.sh >"$scratch/lint.log" 2>&1 &
 lint=$!
-# its own temporary directory and no shared .pytest_cache, so the suites never write the same files
-.venv-native/bin/python -m pytest "${workers[@]}" --durations=15 -p no:cacheprovider --basetemp="$scratch/native" \
-  "${select[@]}" tests \
-  >"$scratch/native.log" 2>&1 &
+if [ "${ATEN_CPU_CAPABILITY:-}" = default ]; then second=avx2; else second=default; fi
+numerics=(-m numerics)
+if [ ${#select[@]} -gt 0 ]; then numerics=(-m "numerics and not slow"); fi
+# its own temporary directory and no shared .pytest_cache, so the suites never write the same files; the numerics
+# tests' second run follows the native suite in the same background job, beside the (longer) XLA suite
+(
+  code=0
+  .venv-native/bin/python -m pytest "${workers[@]}" --durations=15 -p no:cacheprovider --basetemp="$scratch/native" \
+    "${select[@]}" tests >"$scratch/native.log" 2>&1 || code=1
+  ATEN_CPU_CAPABILITY=$second .venv-native/bin/python -m pytest "${workers[@]}" -p no:cacheprovider \
+    --basetemp="$scratch/numerics" "${numerics[@]}" tests >"$scratch/numerics.log" 2>&1 || code=1
+  exit $code
+) &
 native=$!
 status=0
 LIGHTNING_TRN_REQUIRE_NATIVE=1 python -m pytest "${workers[@]}" --durations=15 -p no:cacheprovider \
@@ -45,12 +54,8 @@ LIGHTNING_TRN_REQUIRE_NATIVE=1 python -m pytest "${workers[@]}" --durations=15 -
 wait "$native" || status=$?
 echo "================ native suite (.venv-native/, the neuron stand-in) ================"
 cat "$scratch/native.log"
-if [ "${ATEN_CPU_CAPABILITY:-}" = default ]; then second=avx2; else second=default; fi
-numerics=(-m numerics)
-if [ ${#select[@]} -gt 0 ]; then numerics=(-m "numerics and not slow"); fi
 echo "================ numerics tests again, native suite, ATEN_CPU_CAPABILITY=$second ================"
-ATEN_CPU_CAPABILITY=$second .venv-native/bin/python -m pytest "${workers[@]}" -p no:cacheprovider \
-  --basetemp="$scratch/numerics" "${numerics[@]}" tests || status=$?
+cat "$scratch/numerics.log"
 python tests/tolerance.py "$LIGHTNING_TRN_TOLERANCE_LOG"
 echo "================ scripts/lint.sh ================"
 cat "$scratch/lint.log"

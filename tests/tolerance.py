@@ -8,18 +8,24 @@ can be measured: the same reference run in float64 (the model cast to float64, w
 does) stands in for the exact result, and `|reference32 - reference64|` is the reference's own error on this machine,
 with this machine's kernels.
 
-The rule: a run matches the reference when `|run - reference32| <= ERROR_RATIO * E`, where E is the reference's
-largest error over the tensors compared (weights: over the whole state dict; losses: over the run's losses). Both
-sides are float32 evaluations of the same steps, so by the triangle inequality the difference is at most the run's
-error plus the reference's; ERROR_RATIO = 4 lets the run's error be three times the reference's, for the layouts that
-split a sum into more pieces than the reference does. A real defect (a dropped gradient, an unsynchronised replica, a
-tie lost across stages) moves weights by a learning-rate step (1e-3..1e-2 here), orders of magnitude above E
-(1e-7..1e-5). The ratios measured on every layout, under `default`, `avx2` and `avx512`, are in
-docs/contributing.md ("Tolerances"): the largest stays below ERROR_RATIO.
+The rule, for weights: the run's root-mean-square difference from the reference, over every element of the state
+dict, is at most ERROR_RATIO times E, the reference's root-mean-square error (`|reference32 - reference64|`) over the
+same elements. Both sides are float32 evaluations of the same steps, so the difference is at most the run's error plus
+the reference's; ERROR_RATIO = 4 lets the run's error be three times the reference's, for layouts that split a sum
+into more pieces than the reference does. A root mean square over thousands of elements is a stable measure of
+either error; the largest element is not: Adam moves an element whose gradient is near zero by up to a learning rate
+either way, on a rounding error's sign, so the largest difference is one draw from a heavy tail (measured: a 2-rank
+DDP run's largest difference was 10.7 times the reference's largest error under `avx2`, 2.4 times under `avx512`,
+while its root-mean-square difference stayed within 2.1 times the reference's). A real defect (a dropped gradient,
+an unsynchronised replica, a tie lost across stages, a norm left out of a tensor-parallel plan) moves whole tensors
+by learning-rate steps (1e-3..1e-2 here): even confined to a few hundred of the state's elements it raises the root
+mean square orders of magnitude above E. A twin that is not the same computation (E over TWIN_LIMIT of the values)
+fails the test instead of widening its bound.
 
-The weights bound uses E over the whole state dict, not per tensor: a tensor whose float32 error happens to be small
-in the reference (a LayerNorm weight a step barely moves) is computed in the same steps, from the same gradients, as
-the rest.
+For losses (and other per-step or per-split numbers: each a mean over many tokens, so without that tail), the run's
+largest difference is at most ERROR_RATIO times the reference's largest error over the same numbers. Every bound is
+at least FLOOR_STEPS float32 steps at the values' scale, for a reference exact to the last bit. The ratios measured
+under `default`, `avx2` and `avx512` are in docs/contributing.md ("Tolerances").
 """
 
 from __future__ import annotations
@@ -34,22 +40,39 @@ import torch
 ERROR_RATIO = 4.0
 #: the least bound, in float32 steps (eps) at the values' scale: a reference exact to the last bit allows this much
 FLOOR_STEPS = 4
+#: a float64 twin farther than this from the reference (relative to the values' scale) is another computation
+TWIN_LIMIT = 1e-3
 #: where tests record the measured ratios (`LIGHTNING_TRN_TOLERANCE_LOG=path`: one JSON line per comparison)
 LOG = "LIGHTNING_TRN_TOLERANCE_LOG"
 
 
+def _rms(tensors: Sequence[torch.Tensor]) -> float:
+    flat = torch.cat([t.double().flatten() for t in tensors])
+    return float(flat.square().mean().sqrt()) if flat.numel() else 0.0
+
+
+def _same_computation(error: float, scale: float, what: str) -> float:
+    """`error`, once it is a rounding error: a twin that differs by more than TWIN_LIMIT of the values' scale computed
+    something else (another initialisation, other data), and would make every bound vacuous."""
+    assert error <= TWIN_LIMIT * scale, (
+        f"the float64 twin differs from the reference by {error:.2e} in {what} (scale {scale:.2e}): not a rounding "
+        "error; the twin must run the reference's computation (same initial values, same data order)"
+    )
+    return error
+
+
 def weights_error(reference32: Mapping[str, torch.Tensor], reference64: Mapping[str, torch.Tensor]) -> float:
-    """E for weights: the float32 reference's largest difference from its float64 twin, over the state dict."""
+    """E for weights: the float32 reference's root-mean-square difference from its float64 twin, over the state dict."""
     assert reference32.keys() == reference64.keys()
-    return max(float((reference32[n].double() - reference64[n].double()).abs().max()) for n in reference32)
+    error = _rms([reference32[name].double() - reference64[name].double() for name in reference32])
+    return _same_computation(error, _rms(list(reference32.values())), "weights")
 
 
 def losses_error(reference32: Sequence[float], reference64: Sequence[float]) -> float:
     """E for losses (or any sequence of numbers): the float32 reference's largest difference from its float64 twin."""
     assert len(reference32) == len(reference64), (len(reference32), len(reference64))
-    return float(
-        (torch.tensor(reference32, dtype=torch.float64) - torch.tensor(reference64, dtype=torch.float64)).abs().max()
-    )
+    ours, twin = torch.tensor(reference32, dtype=torch.float64), torch.tensor(reference64, dtype=torch.float64)
+    return _same_computation(float((ours - twin).abs().max()), float(ours.abs().max()), "losses")
 
 
 def _bound(error: float, values: Sequence[torch.Tensor]) -> float:
@@ -72,21 +95,19 @@ def _record(what: str, difference: float, error: float, bound: float) -> None:
 def assert_weights_match(
     run: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], error: float, what: str = "weights"
 ) -> None:
-    """Every tensor of `run` within ERROR_RATIO x `error` (`weights_error` of the reference) of `reference`."""
+    """`run`'s root-mean-square difference from `reference`, over every element, within ERROR_RATIO x `error`
+    (`weights_error` of the reference); on failure, the tensors that differ most are named."""
     assert run.keys() == reference.keys()
-    bound = _bound(error, list(reference.values()))
-    difference = 0.0
-    for name, value in reference.items():
-        ours, theirs = run[name].double(), value.double()
-        difference = max(difference, float((ours - theirs).abs().max()))
-        torch.testing.assert_close(
-            ours,
-            theirs,
-            atol=bound,
-            rtol=0,
-            msg=lambda m, name=name: f"{what} {name}: {m} (reference error {error:.2e})",
-        )
+    differences = {name: run[name].double() - value.double() for name, value in reference.items()}
+    bound = _bound(error, [torch.tensor(_rms(list(reference.values())))])
+    difference = _rms(list(differences.values()))
     _record(what, difference, error, bound)
+    worst = sorted(differences, key=lambda name: -_rms([differences[name]]))[:3]
+    named = ", ".join(f"{name} (rms {_rms([differences[name]]):.2e})" for name in worst)
+    assert difference <= bound, (
+        f"{what}: root-mean-square difference {difference:.2e} over the bound {bound:.2e} (4 x the reference's own "
+        f"float32 error {error:.2e}); most different: {named}"
+    )
 
 
 def assert_losses_match(run: Sequence[float], reference: Sequence[float], error: float, what: str = "losses") -> None:

@@ -75,6 +75,9 @@ def test_lora_under_fsdp2_and_ddp_on_two_devices_ends_like_one_device(tmp_path: 
             timeout=300,
         )
         assert run.returncode == 0, run.stderr[-3000:]
+        # not yet derived from the computation (tests/tolerance.py): a float64 twin of the one-device run draws LoRA's
+        # adapters in float64, other values than the float32 run's, so it cannot measure this run's error; these
+        # bounds held under ATEN_CPU_CAPABILITY default, avx2 and avx512 (`numerics`: CI runs them under two)
         assert _train_losses(tmp_path / name) == pytest.approx(losses["single"], rel=1e-5, abs=1e-6), name
         checkpoint = _load(tmp_path / name / "checkpoints" / "last.ckpt")
         state = checkpoint["state_dict"]

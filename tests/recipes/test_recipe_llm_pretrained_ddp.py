@@ -19,18 +19,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.launch import child_env
-from tests.recipe_runs import run
+from tests.recipe_runs import FLOAT64, assert_ends_alike, run
 from tests.recipes.test_recipe_llm_pretrained import Folder, save_folder
 
 pytestmark = [pytest.mark.native_only, pytest.mark.slow, pytest.mark.numerics]
 
 STEPS = 4
 LR = 1.0e-3
-#: float32 AdamW on a mean of 2 means vs one mean, after `STEPS` steps (as tests/recipes/test_recipe_llm_strategies.py)
-TOLERANCE = 1e-5
 COMMON = (
     "data.seq_len=32",
     f"model.lr={LR}",
@@ -52,17 +49,11 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Folder:
 
 @pytest.fixture(scope="module")
 def one_process(folder: Folder, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process, and its float64 twin (tests/tolerance.py), which measures its float32 error."""
     out = tmp_path_factory.mktemp("one") / "run"
-    return run(
-        "llm",
-        out,
-        f"model.pretrained={folder.path}",
-        *COMMON,
-        "trainer.strategy=neuron_ddp",
-        "trainer.devices=1",
-        "data.batch_size=8",
-        env=child_env(),
-    )
+    job = (f"model.pretrained={folder.path}", *COMMON, "trainer.strategy=neuron_ddp", "trainer.devices=1")
+    one = run("llm", out, *job, "data.batch_size=8", env=child_env())
+    return {**one, "float64": run("llm", out.parent / "run64", *job, "data.batch_size=8", *FLOAT64, env=child_env())}
 
 
 def test_the_reference_starts_from_the_folders_weights(folder: Folder, one_process: dict) -> None:
@@ -88,10 +79,7 @@ def test_two_processes_end_like_one_process(folder: Folder, one_process: dict, t
         "data.batch_size=4",
         env=child_env(),
     )
-    assert two["ckpt"]["global_step"] == one_process["ckpt"]["global_step"] == STEPS
-    assert two["ckpt"]["state_dict"].keys() == one_process["ckpt"]["state_dict"].keys()
-    for name, value in one_process["ckpt"]["state_dict"].items():
-        torch.testing.assert_close(two["ckpt"]["state_dict"][name], value, atol=TOLERANCE, rtol=0, msg=name)
-    for key, values in one_process["metrics"].items():
-        assert len(values) == len(two["metrics"][key]) == 1, key
-        assert two["metrics"][key] == pytest.approx(values, rel=TOLERANCE), key
+    assert two["ckpt"]["global_step"] == STEPS
+    # fine-tuning 4 steps moves a pretrained model little: `test_the_reference_starts_from_the_folders_weights`
+    # shows it moved at all
+    assert_ends_alike(two, one_process, one_process["float64"], trained_below=None)

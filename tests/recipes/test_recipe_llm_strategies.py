@@ -20,21 +20,22 @@ from pathlib import Path
 import pytest
 
 from tests.launch import child_env
-from tests.recipe_runs import TINY_LLM, assert_ends_alike, run
+from tests.recipe_runs import FLOAT64, TINY_LLM, assert_ends_alike, run
 
 pytestmark = pytest.mark.xla_only
 
 #: one layer: half the compile time of the default two
 TINY = (*TINY_LLM, "model.num_layers=1")
-#: one process batch 8 against two of batch 4: float32 AdamW on a mean of 2 means vs one mean, after 6 steps
-TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One process, batch 8, under `neuron_ddp` (so the injected `DistributedSampler` orders the data)."""
+    """One process, batch 8, under `neuron_ddp` (so the injected `DistributedSampler` orders the data); `float64`,
+    its twin in float64 on the CPU (tests/tolerance.py)."""
     out = tmp_path_factory.mktemp("llm_one") / "run"
-    return run("llm", out, *TINY, "trainer.strategy=neuron_ddp", "data.batch_size=8", env=child_env())
+    job = (*TINY, "trainer.strategy=neuron_ddp", "data.batch_size=8")
+    one = run("llm", out, *job, env=child_env())
+    return {**one, "float64": run("llm", out.parent / "run64", *job, *FLOAT64, env=child_env())}
 
 
 @pytest.mark.slow
@@ -52,4 +53,4 @@ def test_two_processes_end_like_one_process_with_the_same_global_batch(
         env=child_env(),
     )
     assert two["ckpt"]["global_step"] == 6
-    assert_ends_alike(two, one_process, TOLERANCE)
+    assert_ends_alike(two, one_process, one_process["float64"])

@@ -22,6 +22,7 @@ import torch
 
 from lightning_trn.recipes.llm import CausalLM
 from tests.recipe_runs import (
+    FLOAT64,
     RESUMABLE,
     TINY_LLM,
     assert_ends_alike,
@@ -30,12 +31,12 @@ from tests.recipe_runs import (
     left_behind,
     run,
 )
+from tests.tolerance import assert_losses_match, assert_weights_match, losses_error, weights_error
 
 pytestmark = pytest.mark.native_only
 
-#: float32 AdamW, a reduce-scattered mean of 2 means vs one mean, after 6 steps
-TOLERANCE = 1e-5
 METRICS = ("val_loss", "val_ppl", "test_loss", "test_ppl")
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _env() -> dict[str, str]:
@@ -45,16 +46,9 @@ def _env() -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_fsdp_on_two_devices_ends_like_one_device(tmp_path: Path) -> None:
-    one = run(
-        "llm",
-        tmp_path / "one",
-        *TINY_LLM,
-        "trainer.strategy=neuron_ddp",
-        "trainer.devices=1",
-        "data.batch_size=8",
-        env=_env(),
-        metrics=METRICS,
-    )
+    job = (*TINY_LLM, "trainer.strategy=neuron_ddp", "trainer.devices=1", "data.batch_size=8")
+    one = run("llm", tmp_path / "one", *job, env=_env(), metrics=METRICS)
+    exact = run("llm", tmp_path / "one64", *job, *FLOAT64, env=_env(), metrics=METRICS)
     fsdp = run(
         "llm",
         tmp_path / "fsdp",
@@ -72,7 +66,7 @@ def test_fsdp_on_two_devices_ends_like_one_device(tmp_path: Path) -> None:
     # its evaluation splits are whole batches on both ranks: Lightning's sampler repeats no block, and the recipe
     # leaves out Lightning's warning that it might (docs/troubleshooting.md)
     assert "Using `DistributedSampler`" not in fsdp["stderr"]
-    assert_ends_alike(fsdp, one, TOLERANCE)
+    assert_ends_alike(fsdp, one, exact)
     # the perplexities are their losses' exponentials (each a TokenMean of its own, reduced over the ranks): float32
     # exp, a few ulps relative, of the same mean (~6: 1 ulp = 5e-7), under 1e-5
     for split in ("val", "test"):
@@ -97,18 +91,21 @@ def test_pipeline_stages_end_like_one_device(tmp_path: Path) -> None:
     stages), and AdamW's state at the positions of the one-device run's param groups (matrices, vectors)."""
     job = (*TINY_LLM, "trainer.strategy=model_parallel")
     one = run("llm", tmp_path / "one", *job, "trainer.devices=1", env=_env(), metrics=METRICS)
+    exact = run("llm", tmp_path / "one64", *job, "trainer.devices=1", *FLOAT64, env=_env(), metrics=METRICS)
     stages = run(
         "llm", tmp_path / "pp", *job, "trainer.devices=2", "model.pipeline_parallel_size=2", env=_env(), metrics=METRICS
     )
-    assert_ends_alike(stages, one, TOLERANCE)
-    losses = [left_behind(tmp_path / out, ("train_loss",))["metrics"]["train_loss"] for out in ("pp", "one")]
+    assert_ends_alike(stages, one, exact)
+    losses = [left_behind(tmp_path / out, ("train_loss",))["metrics"]["train_loss"] for out in ("pp", "one", "one64")]
     assert len(losses[1]) == 6
-    assert losses[0] == pytest.approx(losses[1], rel=TOLERANCE)
+    assert_losses_match(losses[0], losses[1], losses_error(losses[1], losses[2]), what="train_loss")
     CausalLM(**stages["ckpt"]["hyper_parameters"]).load_state_dict(stages["ckpt"]["state_dict"])
     saved, reference = stages["ckpt"]["optimizer_states"][0], one["ckpt"]["optimizer_states"][0]
     assert [group["params"] for group in saved["param_groups"]] == [
         group["params"] for group in reference["param_groups"]
     ]
-    for index, state in reference["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(saved["state"][index][key], state[key], atol=TOLERANCE, rtol=0)
+    moments = {f"{index}.{key}": state[key] for index, state in reference["state"].items() for key in MOMENTS}
+    exact_state = exact["ckpt"]["optimizer_states"][0]["state"]
+    error = weights_error(moments, {name: exact_state[int(name.split(".")[0])][name.split(".")[1]] for name in moments})
+    saved_moments = {name: saved["state"][int(name.split(".")[0])][name.split(".")[1]] for name in moments}
+    assert_weights_match(saved_moments, moments, error, what="AdamW moments")

@@ -88,7 +88,7 @@ def train_with_trainer(args: argparse.Namespace) -> None:
     if args.state_dict_type == "sharded":
         strategy = lightning_trn.NeuronDDPStrategy(zero1=True, state_dict_type="sharded")
     trainer = pl.Trainer(
-        accelerator="neuron",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
         precision=args.precision,
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--accelerator", default="neuron", help="Trainer: cpu with 64-true is the float64 twin")
     parser.add_argument("--resume", type=Path, default=None, help="Trainer: checkpoint to resume from")
     parser.add_argument("--state-dict-type", default="full", help="Trainer: 'sharded' for ZeRO-1 sharded checkpoints")
     args = parser.parse_args()

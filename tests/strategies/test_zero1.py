@@ -36,12 +36,13 @@ from lightning_trn.core.stochastic_rounding import stochastic_round_to_bf16
 from lightning_trn.runtime import get_runtime
 from lightning_trn.runtime.host_collectives import HostCollectives
 from tests.launch import child_env
+from tests.tolerance import assert_weights_match, weights_error
 
 pytestmark = pytest.mark.both
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "zero1_train.py"
-#: float32 Adam on a 2-process mean of micro-batch means vs a 1-process mean: equal up to summation order
-TOLERANCE = 1e-6
+#: the reference's float64 twin (tests/tolerance.py): Lightning's own 64-true on the CPU, one process
+FLOAT64 = ("--accelerator", "cpu", "--precision", "64-true")
 RUN_TIMEOUT_S = 150
 #: element counts of the script's parameters (Linear(7, 13), Linear(13, 3))
 NUMELS = (13 * 7, 13, 3 * 13, 3)
@@ -59,10 +60,19 @@ def _zero1(out: Path, *args: str) -> Path:
     return _launch(out, "--devices", "2", "--strategy", "neuron_zero1", *args)
 
 
-def _assert_same_training_state(saved: dict, reference: dict, optimizer_key: str = "optimizer_states") -> None:
-    """Weights and the full optimizer state (moments, step counts, hyperparameters) equal the reference run's."""
-    for name, value in reference["state_dict"].items():
-        torch.testing.assert_close(saved["state_dict"][name], value, atol=TOLERANCE, rtol=0, msg=name)
+def _moments(optimizer: dict) -> dict[str, torch.Tensor]:
+    """Adam's per-parameter tensors (`exp_avg`, `exp_avg_sq`) by "<position>.<key>"."""
+    return {f"{i}.{k}": v for i, state in optimizer["state"].items() for k, v in state.items() if v.dim()}
+
+
+def _assert_same_training_state(
+    saved: dict, reference: dict, exact: dict, optimizer_key: str = "optimizer_states"
+) -> None:
+    """Weights and the full optimizer state (moments, step counts, hyperparameters) equal the reference run's, the
+    weights and moments within the tolerance tests/tolerance.py derives from the reference's float32 error (`exact`:
+    its float64 twin)."""
+    weights = reference["state_dict"]
+    assert_weights_match(saved["state_dict"], weights, weights_error(weights, exact["state_dict"]))
     expected = reference["optimizer_states"][0]
     optimizer = saved[optimizer_key][0] if optimizer_key == "optimizer_states" else saved[optimizer_key]
     assert optimizer["param_groups"] == expected["param_groups"]  # the LR schedule went through the same steps
@@ -71,7 +81,14 @@ def _assert_same_training_state(saved: dict, reference: dict, optimizer_key: str
         assert optimizer["state"][index].keys() == state.keys()
         for key, value in state.items():
             assert optimizer["state"][index][key].shape == value.shape  # gathered into the parameter's shape
-            torch.testing.assert_close(optimizer["state"][index][key], value, atol=TOLERANCE, rtol=0, msg=key)
+            if not value.dim():  # Adam's step counter
+                assert torch.equal(optimizer["state"][index][key].cpu(), value.cpu()), (index, key)
+    moments, ours, twin = _moments(expected), _moments(optimizer), _moments(exact["optimizer_states"][0])
+    for key in ("exp_avg", "exp_avg_sq"):  # each its own scale
+        names = [name for name in moments if name.endswith(key)]
+        reference_part = {name: moments[name] for name in names}
+        error = weights_error(reference_part, {name: twin[name] for name in names})
+        assert_weights_match({name: ours[name] for name in names}, reference_part, error, what=key)
 
 
 def _checkpoint(path: Path) -> dict:
@@ -86,6 +103,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def exact(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The reference's float64 twin: its final checkpoint."""
+    return _checkpoint(_launch(tmp_path_factory.mktemp("reference64"), *FLOAT64) / "final.ckpt")
+
+
+@pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two processes, ZeRO-1, sharded checkpoints (directories, one file per rank)."""
     return _zero1(tmp_path_factory.mktemp("zero1"), "--state-dict-type", "sharded")
@@ -93,8 +116,10 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.numerics
-def test_two_processes_with_sharded_state_end_like_one_process(reference: Path, sharded: Path, tmp_path: Path) -> None:
-    _assert_same_training_state(_checkpoint(sharded / "final.ckpt"), _checkpoint(reference / "final.ckpt"))
+def test_two_processes_with_sharded_state_end_like_one_process(
+    reference: Path, exact: dict, sharded: Path, tmp_path: Path
+) -> None:
+    _assert_same_training_state(_checkpoint(sharded / "final.ckpt"), _checkpoint(reference / "final.ckpt"), exact)
     # each rank wrote its own half of the optimizer state; the main file holds none of it
     files = sorted(p.name for p in (sharded / "final.ckpt").iterdir())
     assert files == ["checkpoint.pt", "zero1-rank0.pt", "zero1-rank1.pt"]
@@ -103,7 +128,7 @@ def test_two_processes_with_sharded_state_end_like_one_process(reference: Path, 
     # the consolidation tool writes one portable file (CPU, no process group) that `torch.load` reads as it is
     consolidate.main([str(sharded / "final.ckpt"), str(tmp_path / "one.ckpt")])
     one_file = torch.load(tmp_path / "one.ckpt", weights_only=True)
-    _assert_same_training_state(one_file, _checkpoint(reference / "final.ckpt"))
+    _assert_same_training_state(one_file, _checkpoint(reference / "final.ckpt"), exact)
     # what a recipe's `export` loads of it: the weights, none of the optimizer state
     weights = consolidate.model_checkpoint(sharded / "final.ckpt")
     assert "optimizer_states" not in weights and weights["state_dict"].keys() == one_file["state_dict"].keys()
@@ -158,7 +183,7 @@ def test_the_zero1_strategys_load_gives_this_ranks_chunks_and_only_in_that_call(
 )
 @pytest.mark.numerics
 def test_resume_on_another_world_size_ends_like_the_uninterrupted_run(
-    tmp_path: Path, reference: Path, sharded: Path, direction: str
+    tmp_path: Path, reference: Path, exact: dict, sharded: Path, direction: str
 ) -> None:
     """A sharded checkpoint (a directory) from step 3 of the ZeRO-1 run resumes on one unsharded process, and a file
     from the unsharded run on two sharded ones (which write full checkpoints); both end where the uninterrupted run
@@ -169,7 +194,7 @@ def test_resume_on_another_world_size_ends_like_the_uninterrupted_run(
         out = _zero1(tmp_path, "--resume", str(reference / "step=3.ckpt"))
     else:
         out = _zero1(tmp_path, "--resume", str(sharded / "step=3.ckpt"), "--state-dict-type", "sharded")
-    _assert_same_training_state(_checkpoint(out / "final.ckpt"), _checkpoint(reference / "final.ckpt"))
+    _assert_same_training_state(_checkpoint(out / "final.ckpt"), _checkpoint(reference / "final.ckpt"), exact)
 
 
 @pytest.mark.slow
@@ -177,12 +202,13 @@ def test_resume_on_another_world_size_ends_like_the_uninterrupted_run(
 @pytest.mark.parametrize("strategy", ["neuron_zero1", pytest.param("neuron_ddp", marks=pytest.mark.native_only)])
 @pytest.mark.numerics
 def test_fabric_loop_on_two_processes_ends_like_the_trainer_on_one_process(
-    tmp_path: Path, reference: Path, strategy: str
+    tmp_path: Path, reference: Path, exact: dict, strategy: str
 ) -> None:
     """The job as a Fabric loop on 2 processes, saved with `fabric.save`. `fabric.clip_gradients` clips the gradients
     averaged over the ranks (ZeRO-1: by the norm over both ranks' chunks), as one process does."""
     out = _launch(tmp_path, "--api", "fabric", "--devices", "2", "--strategy", strategy)
-    _assert_same_training_state(_checkpoint(out / "final.ckpt"), _checkpoint(reference / "final.ckpt"), "optimizer")
+    reference_state = _checkpoint(reference / "final.ckpt")
+    _assert_same_training_state(_checkpoint(out / "final.ckpt"), reference_state, exact, "optimizer")
     state_bytes = json.loads((out / "rank1.json").read_text())["state_bytes"]
     unsharded = json.loads((reference / "rank0.json").read_text())["state_bytes"]
     assert state_bytes < unsharded if strategy == "neuron_zero1" else state_bytes == unsharded

@@ -272,9 +272,11 @@ class CausalLM(pl.LightningModule):
         parallel the logits stay split over the vocabulary and the sum is computed under `loss_parallel`; it comes
         back as a plain tensor (its backward is `backward`'s)."""
         predicted, targets = logits[:, :-1], labels[:, 1:]
+        # at least float32 (bfloat16 logits are upcast for the softmax); a float64 model keeps float64
+        predicted = predicted.to(torch.promote_types(predicted.dtype, torch.float32))
         with self._loss_parallel():
             total = F.cross_entropy(
-                predicted.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                predicted.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
         if isinstance(total, DTensor):  # replicated after loss_parallel's all-reduce: no communication
             total = total.full_tensor()
