@@ -41,7 +41,7 @@ def test_the_first_command_prints_the_readmes_held_out_line_within_its_stated_to
     result = subprocess.run(
         [sys.executable, "-m", "recipes.mlp", f"out_dir={tmp_path / 'mlp'}"],
         cwd=ROOT,
-        env=child_env(PJRT_DEVICE="CPU"),
+        env=child_env(),  # PJRT_DEVICE=CPU, as the README's command sets it
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
