@@ -24,8 +24,21 @@ fails the test instead of widening its bound.
 
 For losses (and other per-step or per-split numbers: each a mean over many tokens, so without that tail), the run's
 largest difference is at most ERROR_RATIO times the reference's largest error over the same numbers. Every bound is
-at least FLOOR_STEPS float32 steps at the values' scale, for a reference exact to the last bit. The ratios measured
+at least FLOOR_STEPS float32 steps (eps) at the values' scale (the state dict's root mean square; the numbers' largest
+magnitude), for a reference exact to the last bit; TWIN_LIMIT is relative to the same scale. The ratios measured
 under `default`, `avx2` and `avx512` are in docs/contributing.md ("Tolerances").
+
+Where the bound is looser: a parameter whose exact gradient is zero (the bias of an attention key projection: softmax
+ignores a constant added to every score) gets float32 rounding noise as its gradient, which Adam scales to
+learning-rate steps, while its float64 twin barely moves. Such elements then dominate E (a docs-only trial on a
+nanoGPT-shaped model with key biases: E 9e-5, 2,000 times the other elements' error), so a defect there fails by 12
+to 26 times the bound rather than by orders of magnitude. It still fails; a per-tensor bound would be tighter but
+trades this for the heavy tail that made the largest element useless.
+
+Use: `error = weights_error(reference32, reference64)` then `assert_weights_match(run, reference32, error)` (state
+dicts by name); `error = losses_error(reference32, reference64)` then `assert_losses_match(run, reference32, error)`
+(sequences of numbers). Set LIGHTNING_TRN_TOLERANCE_LOG to a file to record every comparison, passing or not, and
+`python tests/tolerance.py FILE` to summarise it.
 """
 
 from __future__ import annotations
@@ -115,10 +128,13 @@ def assert_losses_match(run: Sequence[float], reference: Sequence[float], error:
     assert len(run) == len(reference), (len(run), len(reference))
     ours, theirs = (torch.tensor(values, dtype=torch.float64) for values in (run, reference))
     bound = _bound(error, [theirs])
-    torch.testing.assert_close(
-        ours, theirs, atol=bound, rtol=0, msg=lambda m: f"{what}: {m} (reference error {error:.2e})"
+    difference = float((ours - theirs).abs().max())
+    _record(what, difference, error, bound)
+    assert difference <= bound, (
+        f"{what}: largest difference {difference:.2e} over the bound {bound:.2e} (4 x the reference's own float32 "
+        f"error {error:.2e}, at least {FLOOR_STEPS} float32 steps at the values' scale): {list(run)} against "
+        f"{list(reference)}"
     )
-    _record(what, float((ours - theirs).abs().max()), error, bound)
 
 
 def summary(log: str) -> str:
