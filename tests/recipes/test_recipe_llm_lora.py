@@ -163,6 +163,8 @@ def test_checkpoint_resume_and_merged_export(folder: Folder, tmp_path: Path) -> 
     saved_adapters = [name for name in state if ".lora_A." in name or ".lora_B." in name]
     assert len(saved_adapters) == 8
     assert all(not torch.equal(stopped["state_dict"][name], expected[name]) for name in saved_adapters)
+    # a resume replays the same steps with the same kernels: exact on the stand-in; on XLA the resumed job compiles
+    # its graphs again, which may fuse differently (not derived: no float64 twin of an XLA job yet)
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
@@ -237,6 +239,8 @@ def test_lora_under_zero1_on_two_devices_ends_like_one_device(folder: Folder, tm
         env=child_env(),
         metrics=metrics,
     )
+    # not yet derived from the computation: a float64 twin of the one-device run draws LoRA's adapters in float64,
+    # other values than the float32 run's (tests/recipes/test_recipe_llm_lora_sharded.py says the same)
     assert two["metrics"]["train_loss"] == pytest.approx(one["metrics"]["train_loss"], rel=1e-5, abs=1e-6)
     assert two["metrics"]["val_loss"] == pytest.approx(one["metrics"]["val_loss"], rel=1e-5, abs=1e-6)
     for name, value in one["ckpt"]["state_dict"].items():

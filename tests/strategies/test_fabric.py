@@ -191,6 +191,8 @@ def test_checkpoints_resume_across_the_trainer_and_fabric(tmp_path: Path):
     rest = fabric.load(tmp_path / "trainer.ckpt", {"state_dict": fabric_model})
     optimizer.load_state_dict(rest["optimizer_states"][0])
     fabric_steps(fabric, fabric_model, optimizer, loader(first=half, steps=half))
+    # the Trainer's and Fabric's steps run the same kernels in the same order on the stand-in (exact there); on XLA the
+    # Trainer's graph also logs the loss and may fuse differently: about 2 float32 ulps of these weights (up to ~8)
     for name, value in weights(continuous).items():
         torch.testing.assert_close(weights(fabric_model)[name], value, atol=1e-6, rtol=0, msg=f"Trainer->Fabric {name}")
 
@@ -203,7 +205,7 @@ def test_checkpoints_resume_across_the_trainer_and_fabric(tmp_path: Path):
     Trainer(accelerator="neuron", max_steps=half, **QUIET).fit(
         resumed, loader(first=half, steps=half), ckpt_path=tmp_path / "fabric.ckpt"
     )
-    for name, value in weights(continuous).items():
+    for name, value in weights(continuous).items():  # as above
         torch.testing.assert_close(weights(resumed)[name], value, atol=1e-6, rtol=0, msg=f"Fabric->Trainer {name}")
 
 
