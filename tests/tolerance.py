@@ -124,6 +124,16 @@ def assert_weights_match(
     )
 
 
+def assert_moments_match(
+    run: Mapping, reference: Mapping, twin: Mapping, keys: Sequence[str] = ("exp_avg", "exp_avg_sq")
+) -> None:
+    """Adam's per-parameter state (optimizer state dicts: `state[position][key]`) within the weights rule, each key
+    with its own E from the reference's `twin` (the moments' scales differ by orders of magnitude)."""
+    for key in keys:
+        ours, theirs, exact = ({str(i): state[key] for i, state in o["state"].items()} for o in (run, reference, twin))
+        assert_weights_match(ours, theirs, weights_error(theirs, exact), what=key)
+
+
 def assert_losses_match(run: Sequence[float], reference: Sequence[float], error: float, what: str = "losses") -> None:
     """The run's numbers within ERROR_RATIO x `error` (`losses_error` of the reference) of `reference`."""
     assert len(run) == len(reference), (len(run), len(reference))
