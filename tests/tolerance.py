@@ -106,6 +106,21 @@ def _record(what: str, difference: float, error: float, bound: float) -> None:
             f.write(json.dumps(line) + "\n")
 
 
+def weights_ratio(run: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], error: float) -> float:
+    """`run`'s root-mean-square difference from `reference` over its bound (`assert_weights_match`'s): at most 1 is
+    equal."""
+    assert run.keys() == reference.keys()
+    difference = _rms([run[name].double() - value.double() for name, value in reference.items()])
+    return difference / _bound(error, [torch.tensor(_rms(list(reference.values())))])
+
+
+def losses_ratio(run: Sequence[float], reference: Sequence[float], error: float) -> float:
+    """`run`'s largest difference from `reference` over its bound (`assert_losses_match`'s): at most 1 is equal."""
+    assert len(run) == len(reference), (len(run), len(reference))
+    ours, theirs = (torch.tensor(values, dtype=torch.float64) for values in (run, reference))
+    return float((ours - theirs).abs().max()) / _bound(error, [theirs])
+
+
 def assert_weights_match(
     run: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], error: float, what: str = "weights"
 ) -> None:

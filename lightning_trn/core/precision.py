@@ -119,9 +119,9 @@ class NeuronPrecisionCore:
         self._bf16_step = Bf16OptimizerStep(master_weights) if master_weights or self._software_rounding else None
         #: the parameters as the optimizers hold them (Lightning's teardown moves the model to the CPU as new objects)
         self._named_parameters: list[tuple[str, Tensor]] = []
-        #: set by a pipeline-parallel strategy: the group whose ranks hold the other stages' gradients, over which
-        #: clipping takes the norm
-        self.gradient_norm_group: Any = None
+        #: set by a pipeline-parallel strategy: the ranks holding the other stages' gradients, over which clipping
+        #: takes the norm, and the tied copies it counts once (`lightning_trn.core.parallel.gradients.NormScope`)
+        self.gradient_norm_scope: Any = None
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -57,6 +57,6 @@ class NeuronPrecision(NeuronPrecisionCore, Precision):
         parallel) whatever their meshes (`lightning_trn.core.parallel.gradients`)."""
         sharding = sharding_of(optimizer)
         if sharding is None:
-            clip_grad_norm_(self.main_params(optimizer), clip_val, group=self.gradient_norm_group)
+            clip_grad_norm_(self.main_params(optimizer), clip_val, scope=self.gradient_norm_scope)
         else:
             sharding.clip_grad_norm_(clip_val)

@@ -170,10 +170,13 @@ def test_pipeline_parallel_size_gives_the_strategy_stages() -> None:
         (
             ("model.tensor_parallel_size=2",),
             "model.pipeline_parallel_size=2 does not run with model.tensor_parallel_size=2: the recipe's pipeline "
-            "stages take FSDP2 (and HSDP) within each stage only, and train from scratch. Use "
-            "model.pipeline_parallel_size=1",
+            "stages take FSDP2 (and HSDP) within each stage, from scratch or from a pretrained folder, without LoRA. "
+            "Use model.pipeline_parallel_size=1",
         ),
-        (("model.pretrained=folder",), "model.pipeline_parallel_size=2 does not run with model.pretrained=folder"),
+        (
+            ("model.pretrained=folder", "model.lora.r=4"),
+            "model.pipeline_parallel_size=2 does not run with model.lora.r=set",
+        ),
         (("trainer.strategy=fsdp",), "model.pipeline_parallel_size=2 needs trainer.strategy=model_parallel"),
         (
             ("model.pipeline_schedule=Looped",),
@@ -186,7 +189,7 @@ def test_pipeline_parallel_size_gives_the_strategy_stages() -> None:
     ],
 )
 def test_pipeline_parallel_size_is_refused_in_one_line(overrides: tuple[str, ...], expected: str) -> None:
-    """What the recipe does not run with stages (tensor parallel, a pretrained folder, LoRA with it, another
+    """What the recipe does not run with stages (tensor parallel, LoRA adapters, another
     strategy, an unknown schedule, a world the stages do not divide): one line naming the key and what to do."""
     with pytest.raises(ValueError) as refused:
         llm.trainer_args(cli.load_config(llm.RECIPE, [*HSDP_JOB, "model.pipeline_parallel_size=2", *overrides]))

@@ -198,9 +198,42 @@ def test_v_schedules_put_the_first_and_last_stages_on_rank_0() -> None:
     assert [pipeline.stages_of_rank("ZBVZeroBubble", r, 4, 2) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert pipeline.stage_rank("ZBVZeroBubble", 7, 4, 2) == 0
     assert pipeline.stage_rank("Interleaved1F1B", 7, 4, 2) == 3
-    # the pairs that exchange tensors: neighbours in a ring, both ways, per pipeline group
+    # the pairs that exchange tensors: neighbours, both ways, per pipeline group; last -> first only when looped
     assert ring_pairs([[0, 2], [1, 3]]) == [(0, 2), (1, 3), (2, 0), (3, 1)]
     assert len(ring_pairs([[0, 1, 2, 3]])) == 8
+    assert len(ring_pairs([[0, 1, 2, 3]], wrap=False)) == 6
+
+
+def test_only_the_stage_groups_a_schedule_uses_are_created() -> None:
+    """256 ranks, 4 pipeline ranks (64 pipeline groups): GPipe, 1F1B and the V schedules never send from the last
+    rank to the first, so the broadcast transport creates 64 x 3 neighbouring pairs x 2 directions = 384 two-rank
+    groups, not 512; Interleaved1F1B needs the wrap-around pair (512)."""
+    columns = [[rank + 64 * stage for stage in range(4)] for rank in range(64)]
+    assert len(ring_pairs(columns, wrap=False)) == 384
+    assert len(ring_pairs(columns)) == 512
+
+
+def test_weights_tied_across_stages_are_found_under_every_stage_name() -> None:
+    """nanoGPT's layout (the head tied to the token embedding inside a ModuleDict): the first stage holds the weight
+    as `transformer.wte.weight`, the last as `lm_head.weight`; an untied model has no ties."""
+
+    class NanoGPT(nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.transformer = nn.ModuleDict(
+                {
+                    "wte": nn.Embedding(8, 4),
+                    "h": nn.ModuleList(nn.Linear(4, 4) for _ in range(4)),
+                    "ln_f": nn.LayerNorm(4),
+                }
+            )
+            self.lm_head = nn.Linear(4, 8, bias=False)
+            if tied:
+                self.lm_head.weight = self.transformer.wte.weight
+
+    for tied, expected in ((True, [{0: "transformer.wte.weight", 1: "lm_head.weight"}]), (False, [])):
+        model = NanoGPT(tied)
+        assert pipeline.tied_across_stages(model, pipeline.stage_contents(model, 2, "transformer.h")) == expected
 
 
 @pytest.mark.parametrize(

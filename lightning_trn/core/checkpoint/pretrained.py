@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,11 @@ def meta_model_from_pretrained(path: str | Path, **from_config_kwargs: Any) -> M
 
 
 def load_pretrained(
-    module: Module, path: str | Path, prefix: str | None = None, device: torch.device | None = None
+    module: Module,
+    path: str | Path,
+    prefix: str | None = None,
+    device: torch.device | None = None,
+    stage: Sequence[Sequence[str]] | None = None,
 ) -> Module:
     """Fill `module`'s parameters and persistent buffers, in place, from the `save_pretrained` folder `path`
     (`model.safetensors`, or shards listed in `model.safetensors.index.json`), each rank reading only its blocks.
@@ -110,6 +114,9 @@ def load_pretrained(
         prefix: where the Hugging Face model sits in `module` (`"model."` for a LightningModule's `self.model`);
             None: found by matching the files' names to the ends of the module's.
         device: where meta tensors get storage; None: the attached Trainer's root device (`configure_model`).
+        stage: `module` is one pipeline stage of the model (`lightning_trn.pipeline_split`): the files' weights of
+            other stages are skipped, and a weight tied to another stage's is read under any of its names (given
+            here, `Pipeline.tied_names`: a tied output head is absent from the files, its embedding is not).
 
     Raises:
         ValueError: names missing from the files, names the module lacks, shapes that differ (a few of each are
@@ -130,7 +137,7 @@ def load_pretrained(
     shapes = file_shapes(files)
     names = {name for group in groups for name in group[0]}
     prefix = _find_prefix(names, set(shapes)) if prefix is None else prefix
-    sources = _match(groups, shapes, prefix, path)
+    sources = _match(groups, shapes, prefix, path, stage)
     _give_storage(module, groups, device)
     with torch.no_grad():
         for (_, slots), key in zip(groups, sources, strict=True):
@@ -178,15 +185,19 @@ def _find_prefix(names: set[str], keys: set[str]) -> str:
     return max(counts, key=lambda prefix: (counts[prefix], -len(prefix))) if counts else ""
 
 
-def _match(groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path: Any) -> list[str]:
-    """The file key each group loads from.
+def _match(
+    groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path: Any, stage: Sequence[Sequence[str]] | None
+) -> list[str]:
+    """The file key each group loads from (for a pipeline stage, `stage`'s tied names, as `load_pretrained`).
 
     Raises:
         ValueError: missing, unexpected or shape-mismatched names.
     """
     sources: list[str] = []
     missing, mismatched, used = [], [], set()
+    tied = {name: ties for ties in stage or () for name in ties}
     for names, slots in groups:
+        names = [*names, *(other for name in names for other in tied.get(name, ()) if other not in names)]
         keys = [name[len(prefix) :] for name in names if name.startswith(prefix) and name[len(prefix) :] in shapes]
         used.update(keys)
         if not keys:
@@ -196,7 +207,7 @@ def _match(groups: list[_Group], shapes: dict[str, list[int]], prefix: str, path
         if list(tensor.shape) != list(shapes[keys[0]]):
             mismatched.append(f"{keys[0]} {list(shapes[keys[0]])} vs {list(tensor.shape)}")
         sources.append(keys[0])
-    unexpected = sorted(set(shapes) - used)
+    unexpected = sorted(set(shapes) - used) if stage is None else []  # a stage holds part of the files
     problems = [
         f"{what} ({len(items)}): {listed(items)}"
         for what, items in (

@@ -4,18 +4,31 @@ torch's `clip_grad_norm_` stacks every gradient's norm, which fails when plain t
 plan replicates) and DTensors, or DTensors of different meshes, are mixed. Here the norm is taken per group of the
 same mesh and placements (one reduction per group), the groups' norms combined, and every gradient scaled by one
 coefficient: the norm and the clipping of one unsharded model. Under pipeline parallelism each rank holds the
-gradients of its stages only: the norm is then combined over the pipeline group too.
+gradients of its stages only: the norm is then combined over the pipeline group too, a weight tied across stages
+counted once (`NormScope`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.nn.utils import clip_grad_norm_ as torch_clip_grad_norm_
 from torch.nn.utils import get_total_norm
+
+
+class NormScope(Protocol):
+    """Where one norm spans more than this rank's gradients (pipeline stages, `Pipelining`)."""
+
+    @property
+    def norm_group(self) -> Any:
+        """The group whose ranks hold the other stages' gradients; None: this rank holds all."""
+
+    def uncounted_in_norm(self) -> list[Tensor]:
+        """Parameters whose gradient another rank counts (the copies of a weight tied across stages): clipped, not
+        counted."""
 
 
 def _layout(tensor: Tensor) -> Any:
@@ -30,28 +43,36 @@ def clip_grad_norm_(
     max_norm: float | int,
     norm_type: float | int = 2.0,
     error_if_nonfinite: bool = False,
-    group: Any = None,
+    scope: NormScope | None = None,
 ) -> Tensor:
     """`torch.nn.utils.clip_grad_norm_` that also takes gradients of mixed layouts; returns the total norm (a plain
-    tensor). With one layout and no `group` it is torch's function itself.
+    tensor). With one layout and no `scope` it is torch's function itself.
 
     Args:
-        group: a process group whose ranks hold the gradients of other parameters (the pipeline stages): the norm is
-            that of all their gradients together.
+        scope: with pipeline stages, the group holding the other stages' gradients (the norm is that of all their
+            gradients together) and the tied copies counted on another rank.
     """
     parameters = [p for p in parameters if p.grad is not None]
+    group = scope.norm_group if scope is not None else None
+    uncounted = {id(p) for p in scope.uncounted_in_norm()} if scope is not None else set()
     groups: dict[Any, list[Tensor]] = {}
+    counted: dict[Any, list[Tensor]] = {}
     for parameter in parameters:
         grad = parameter.grad
         groups.setdefault(_layout(grad), []).append(grad)  # type: ignore[arg-type]  # not None: filtered above
+        if id(parameter) not in uncounted:
+            counted.setdefault(_layout(grad), []).append(grad)  # type: ignore[arg-type]  # as above
     if len(groups) <= 1 and group is None:
         total = torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
     norms = []
-    for grads in groups.values():
+    for grads in counted.values():
         norm = get_total_norm(grads, norm_type, error_if_nonfinite)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = get_total_norm(norms, norm_type, error_if_nonfinite)
+    if norms:
+        total = get_total_norm(norms, norm_type, error_if_nonfinite)
+    else:  # every gradient here is a copy another rank counts
+        total = torch.zeros((), device=parameters[0].device if parameters else None)
     if group is not None:
         total = _combined(total, float(norm_type), group)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

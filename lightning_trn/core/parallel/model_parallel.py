@@ -427,14 +427,74 @@ def check_replicated_sharding(module: Module, mesh: Any) -> None:
         )
 
 
+def _on_tensor_parallel(parameter: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(parameter, DTensor) and "tensor_parallel" in (parameter.device_mesh.mesh_dim_names or ())
+
+
+def _left_out_of_tensor_parallel(module: Module) -> list[tuple[str, Tensor]]:
+    """The parameters inside blocks (entries of the module's ModuleLists and ModuleDicts) that the tensor-parallel
+    plan split in part, but that are not DTensors over the `tensor_parallel` dimension themselves."""
+    from torch.nn import ModuleDict, ModuleList
+
+    left: list[tuple[str, Tensor]] = []
+    for stack_name, stack in module.named_modules():
+        if not isinstance(stack, (ModuleList, ModuleDict)):
+            continue
+        for block_name, block in stack.named_children():
+            parameters = list(block.named_parameters())
+            if any(_on_tensor_parallel(p) for _, p in parameters):
+                prefix = _unwrapped_name(f"{stack_name}.{block_name}.")
+                left += [(prefix + _unwrapped_name(n), p) for n, p in parameters if not _on_tensor_parallel(p)]
+    return left
+
+
+def check_tensor_parallel_gradients(module: Module, mesh: Any) -> None:
+    """Refuse, before the first update, parameters that the tensor-parallel plan left whole inside the blocks it
+    split, where their gradients differ between the tensor-parallel ranks: their input was split over the ranks (a
+    norm over each attention head, as Qwen3's q_norm and k_norm), so each rank's gradient is only its part and the
+    copies would drift apart without an error. A whole parameter whose input is replicated (a block's norm before a
+    column-wise layer) has the same gradient on every rank and passes. Called once the first step's gradients are
+    complete (the strategies' `reduce_gradients`); one all-reduce of those gradients."""
+    import torch.distributed as dist
+
+    if "tensor_parallel" not in (mesh.mesh_dim_names or ()) or mesh["tensor_parallel"].size() == 1:
+        return
+    named = [(name, p.grad) for name, p in _left_out_of_tensor_parallel(module) if p.grad is not None]
+    if not named:
+        return
+    local = [grad.to_local() if hasattr(grad, "to_local") else grad for _, grad in named]
+    flat = torch.cat([g.detach().flatten().float() for g in local])
+    bounds = torch.stack([flat, -flat])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=mesh["tensor_parallel"].get_group())
+    spread = (bounds[0] + bounds[1]).split([g.numel() for g in local])  # largest minus smallest, per element
+    diverging = [
+        name
+        for (name, _), part, grad in zip(named, spread, local, strict=True)
+        if part.numel() and float(part.max()) > 1e-3 * float(grad.detach().abs().max().clamp_min(1e-30))
+    ]
+    if diverging:
+        raise ValueError(
+            f"Tensor parallel over {mesh['tensor_parallel'].size()} ranks: {listed(sorted(diverging))} "
+            f"{'is' if len(diverging) == 1 else 'are'} inside blocks that the tensor-parallel plan splits, left out "
+            "of the plan (a whole copy on every rank), and the ranks computed different gradients for "
+            f"{'it' if len(diverging) == 1 else 'them'}: the input was split over the ranks, so each rank's "
+            "gradient is only its part and the copies would drift apart. Nothing was updated. Add them to the plan "
+            "of `parallelize_module`: a norm over each attention head's features (Qwen3's q_norm and k_norm) takes "
+            "`SequenceParallel(sequence_dim=2, use_local_output=True)`, as TorchTitan's Qwen3 plan; a norm over "
+            "the sequence-split hidden states takes `SequenceParallel()`."
+        )
+
+
 def setup_outer_mesh(
     strategy: Any, lightning_setup: Callable[[], None], pipelining: Any, replicate_size: int, precision: Any
 ) -> None:
     """A Neuron `ModelParallelStrategy`'s `setup_environment` (Trainer and Fabric): Lightning's own
     (`lightning_setup`), and with pipeline stages or HSDP replicas the N-D mesh (`build_device_mesh`) in place of
     Lightning's 2-D one, which is built over a data-parallel size standing for the outer dimensions together; then
-    the pipeline groups (`lightning_trn.core.parallel.pipeline.Pipelining.setup`) and the group gradient clipping takes
-    the norm over."""
+    the pipeline groups (`lightning_trn.core.parallel.pipeline.Pipelining.setup`), which are also the scope of gradient
+    clipping's norm."""
     outer = pipelining.size * replicate_size
     if outer == 1:
         lightning_setup()
@@ -453,4 +513,4 @@ def setup_outer_mesh(
     strategy._data_parallel_size = sizes["data_parallel"]
     strategy._device_mesh = build_device_mesh(sizes, strategy.root_device.type)
     pipelining.setup(strategy._device_mesh, strategy.root_device, strategy._process_group_backend)
-    precision.gradient_norm_group = pipelining.norm_group
+    precision.gradient_norm_scope = pipelining

@@ -19,8 +19,9 @@ has), as TorchTitan's models do (the LLM recipe's `StageLM` does it for Hugging 
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +123,26 @@ def stage_contents(model: Module, num_stages: int, layers: str | None = None) ->
     return contents
 
 
+def tied_across_stages(model: Module, contents: list[list[str]]) -> list[dict[int, str]]:
+    """The parameters that modules of different stages share (an output head tied to the token embedding): for each,
+    the name it has in every stage that holds it. Split, each of those stages trains a copy of its own; the copies
+    stay one weight only if their gradients are summed before every update (`Pipelining.reduce_tied_gradients`, as
+    Megatron-LM all-reduces the embedding's over its first and last stage)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    ties = []
+    for shared in names.values():
+        holders: dict[int, str] = {}
+        for name in shared:
+            for stage, held in enumerate(contents):
+                if any(name.startswith(f"{module}.") for module in held):
+                    holders.setdefault(stage, name)
+        if len(holders) > 1:
+            ties.append(holders)
+    return ties
+
+
 def _keep(model: Module, stack_path: str, held: set[str]) -> None:
     """Drop from `model` (in place) what `held` does not name: modules beside the stack's path become None, layers
     leave the stack (whose other layers keep their names)."""
@@ -158,6 +179,38 @@ def _part(model: Module, stack_path: str, held: set[str]) -> Module:
     return part
 
 
+def _distinct(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """`tensors` without repeats of one object, in order."""
+    return list({id(tensor): tensor for tensor in tensors}.values())
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard, or the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@contextlib.contextmanager
+def _gradients_kept(parts: Sequence[Module]) -> Iterator[None]:
+    """Keep the gradients of `parts` through a block that may set them to None, adding back the ones it dropped (a
+    gradient the block made meanwhile is summed with the kept one). FSDP modules are resharded first, as torch's
+    cleanup does, so the parameters held are the sharded ones that carry the gradients."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    kept = [(p, p.grad) for part in parts for p in part.parameters() if p.grad is not None]
+    try:
+        yield
+    finally:
+        for parameter, grad in kept:
+            if parameter.grad is None:
+                parameter.grad = grad
+            elif parameter.grad is not grad:
+                parameter.grad += grad
+
+
 class Pipeline:
     """The stages of a model this rank runs and the schedule that runs them; `step` is what `training_step` calls.
 
@@ -175,8 +228,11 @@ class Pipeline:
         loss_scale: Callable[[], float] = lambda: 1.0,
         on_backward: Callable[[], None] = lambda: None,
         microbatches: int = 1,
+        tied_names: list[list[str]] | None = None,
     ) -> None:
         self.model = model
+        #: the names of each weight tied across stages (`tied_across_stages`), in the unsplit model
+        self.tied_names = tied_names or []
         self.loss_fn = loss_fn
         #: the modules this rank's stages run, in stage order: parallelize each of them (TP, FSDP2)
         self.parts = parts if parts is not None else [model]
@@ -186,9 +242,8 @@ class Pipeline:
         self._share = share
         self._loss_scale = loss_scale
         self._on_backward = on_backward
-        self._schedule: Any = None
-        #: the schedule without a loss, for `predict` (one with a loss computes it on the last stage, target or not)
-        self._forward_schedule: Any = None
+        #: schedules by kind ("train", "eval", "predict") and input shapes (`_schedule_for`)
+        self._schedules: dict[tuple[Any, ...], Any] = {}
 
     @property
     def is_pipelined(self) -> bool:
@@ -202,33 +257,47 @@ class Pipeline:
     def _scaled_loss(self, output: Any, target: Any) -> Tensor:
         return self.loss_fn(output, target) * self._scale()
 
-    def _scheduled(self, inputs: tuple[Any, ...], with_loss: bool = True) -> Any:
-        """The schedule (with the loss, or without for `predict`), built at its first use (after `configure_model`:
-        the parts are parallelized and on the device now), once `inputs` are checked to split into the
-        microbatches."""
+    def _schedule_for(self, kind: str, inputs: tuple[Any, ...], target: Any = None) -> tuple[Any, bool]:
+        """The schedule of `kind` for these inputs' shapes, and whether it is new (built at its first use, after
+        `configure_model`: the parts are parallelized and on the device now), once `inputs` are checked to split into
+        the microbatches.
+
+        One schedule per kind and shape, because torch's stages allocate their receive buffers for the shapes of
+        their first batch (a smaller last batch would be received into the first one's buffers), and re-infer them,
+        clearing the FSDP modules' gradients, whenever one schedule switches between `step` and `eval`."""
         assert self._build is not None
-        if with_loss and self._schedule is None:
-            self._schedule = self._build(self.parts, self._scaled_loss)
-        if not with_loss and self._forward_schedule is None:
-            self._forward_schedule = self._build(self.parts, None)
         for input in inputs:
             if isinstance(input, Tensor) and input.shape[0] % self.microbatches:
                 raise ValueError(
                     f"A pipeline step splits the batch into {self.microbatches} microbatches; this batch has "
-                    f"{input.shape[0]} samples. Make the per-rank batch size a multiple of the microbatches "
-                    "(`pipeline_microbatches` of the strategy)."
+                    f"{input.shape[0]} samples. Make every per-rank batch, the last one included, a multiple of the "
+                    "microbatches (`pipeline_microbatches` of the strategy; `drop_last=True` drops a smaller last "
+                    "batch)."
                 )
-        return self._schedule if with_loss else self._forward_schedule
+        shapes = tuple((x.shape, x.dtype) if isinstance(x, Tensor) else None for x in (*inputs, target))
+        key = (kind, shapes)
+        schedule = self._schedules.get(key)
+        if schedule is not None:
+            return schedule, False
+        schedule = self._schedules[key] = self._build(self.parts, None if kind == "predict" else self._scaled_loss)
+        return schedule, True
+
+    def _kept_gradients(self, new: bool) -> contextlib.AbstractContextManager:
+        """Around a schedule's first use: torch's stage initialization ends by setting `.grad = None` on every FSDP
+        module's parameters (`_post_metadata_inference_cleanup`), which would drop the gradients an accumulation
+        window has summed so far; they are added back."""
+        return _gradients_kept(self.parts) if new else contextlib.nullcontext()
 
     def _run(self, inputs: tuple[Any, ...], target: Any, train: bool) -> Tensor:
         assert self._report is not None
-        schedule = self._scheduled(inputs)
+        schedule, new = self._schedule_for("train" if train else "eval", inputs, target)
         losses: list[Tensor] = []
-        if train:
-            schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
-            self._on_backward()
-        else:
-            schedule.eval(*inputs, target=target, losses=losses)
+        with self._kept_gradients(new):
+            if train:
+                schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+                self._on_backward()
+            else:
+                schedule.eval(*inputs, target=target, losses=losses)
         mean = torch.stack([loss.detach() for loss in losses]).mean() / self._scale() if losses else None
         return self._report(mean)
 
@@ -253,8 +322,9 @@ class Pipeline:
         if not self.is_pipelined:
             return self.model(*inputs)
         assert self._share is not None
-        with torch.no_grad():
-            return self._share(self._scheduled(inputs, with_loss=False).eval(*inputs))
+        schedule, new = self._schedule_for("predict", inputs)
+        with torch.no_grad(), self._kept_gradients(new):
+            return self._share(schedule.eval(*inputs))
 
 
 def pipeline_split(
@@ -338,9 +408,17 @@ def build_schedule(
     loss_fn: LossFn | None,
 ) -> Any:
     """`torch.distributed.pipelining`'s stages for `parts` and the schedule over them."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
+    for part in parts:
+        # TorchTitan's choice under pipeline parallelism: a stage's FSDP units keep their parameters gathered from
+        # the forward to the backward, else every microbatch gathers them twice; torch's split backward
+        # (ZBVZeroBubble) needs them gathered too, since its weight pass reads the parameters the forward used
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_reshard_after_forward(False, recurse=False)
     pipeline_stages = [
         PipelineStage(part, stage, num_stages, device, group=group) for part, stage in zip(parts, stages, strict=True)
     ]
@@ -390,6 +468,14 @@ class Pipelining:
         #: the ranks that hold the same stages as this one (all but the pipeline dimension), None if it alone does
         self.stage_group: dist.ProcessGroup | None = None
         self._device: torch.device | None = None
+        #: the pipeline groups' members by pipeline rank (global ranks), once `setup` made them
+        self._columns: list[list[int]] = []
+        #: the weights tied across stages that this rank holds a copy of: the group of the ranks holding the other
+        #: copies (None: only this rank's stages hold it), the names this rank's stages give it, and whether this
+        #: rank's copy counts in the gradient norm
+        self._ties: list[tuple[dist.ProcessGroup | None, list[str], bool]] = []
+        self._model: Module | None = None
+        self._tied_names: list[list[str]] = []
         self._ran_backward = False
         #: this rank's stage indices and the modules that run them, once `split` made them
         self._stage_parts: list[tuple[int, Module]] = []
@@ -401,8 +487,9 @@ class Pipelining:
         if self.size == 1:
             return
         ranks = mesh.mesh  # rank of each coordinate; the pipeline dimension first
-        groups = ranks.reshape(self.size, -1).t().tolist()
-        created = pipeline_groups(groups, self.transport, backend)
+        groups = self._columns = ranks.reshape(self.size, -1).t().tolist()
+        looped = self.schedule not in (*SINGLE_STAGE_SCHEDULES, *V_SCHEDULES)  # only they send last -> first
+        created = pipeline_groups(groups, self.transport, backend, wrap=looped)
         rank = dist.get_rank()
         self._group = next(group for members, group in zip(groups, created, strict=True) if rank in members)
         for members in ranks.reshape(self.size, -1).tolist():
@@ -442,6 +529,74 @@ class Pipelining:
             group["params"] = [name for name in order if name in listed]
         return state
 
+    def uncounted_in_norm(self) -> list[Tensor]:
+        """The tied copies whose gradient is counted elsewhere in the norm (the first stage holding the weight counts
+        it): `lightning_trn.core.parallel.gradients.NormScope`."""
+        if not self._ties:
+            return []
+        parameters = self._parameters()
+        uncounted = []
+        for _, names, counted in self._ties:
+            copies = _distinct(parameters[name] for name in names)
+            uncounted += copies[1:] if counted else copies
+        return uncounted
+
+    def _parameters(self) -> dict[str, Tensor]:
+        """This rank's parameters by their name in the model, whatever wraps or shards them now."""
+        assert self._model is not None
+        return {_unwrapped_name(name): p for name, p in self._model.named_parameters(remove_duplicate=False)}
+
+    def reduce_tied_gradients(self) -> None:
+        """Sum the gradients of each weight tied across stages over its copies, so that every copy takes the unsplit
+        weight's gradient and update (the copies' values start equal: the split model's). The copies are those the
+        ranks holding the weight's stages have, and on one rank the copies FSDP2 makes when it shards each stage's
+        module on its own. Called once the step's gradients are complete, before clipping (the strategies'
+        `reduce_gradients`). The copies are sharded alike on every stage (the same mesh and placements), so their
+        local shards are summed."""
+        if not self._ties:
+            return
+        parameters = self._parameters()
+        for group, names, _ in self._ties:
+            copies = _distinct(parameters[name] for name in names)
+            for parameter in copies:
+                if parameter.grad is None:  # a copy that took no gradient still joins the sum
+                    parameter.grad = torch.zeros_like(parameter)
+            grads = [_local(parameter.grad) for parameter in copies if parameter.grad is not None]
+            for other in grads[1:]:
+                grads[0] += other
+            if group is not None:
+                dist.all_reduce(grads[0], group=group)
+            for other in grads[1:]:
+                other.copy_(grads[0])
+
+    def _tie(self, model: Module, layers: str | None, pipeline_rank: int) -> None:
+        """Find the weights tied across this split's stages (`tied_across_stages`) and create, on every process in
+        the same order, the groups of the ranks that hold their copies (per pipeline group)."""
+        contents = stage_contents(model, self.num_stages, layers)
+        stages = stages_of_rank(self.schedule, pipeline_rank, self.size, self.stages_per_rank)
+        rank = dist.get_rank()
+        groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._ties = []
+        ties = tied_across_stages(model, contents)
+        self._tied_names = [list(holders.values()) for holders in ties]
+        for holders in ties:
+            pipeline_ranks = sorted({stage_rank(self.schedule, s, self.size, self.stages_per_rank) for s in holders})
+            held = [holders[stage] for stage in sorted(holders) if stage in stages]
+            if len(pipeline_ranks) == 1:  # one rank's stages (a V's first and last): one parameter, until FSDP2
+                if len(held) > 1:  # shards each stage's module on its own, making a copy per stage
+                    self._ties.append((None, held, True))
+                continue
+            key = tuple(pipeline_ranks)
+            if key not in groups:
+                groups[key] = None
+                for column in self._columns:
+                    group = dist.new_group([column[r] for r in pipeline_ranks])
+                    groups[key] = group if rank in (column[r] for r in pipeline_ranks) else groups[key]
+            group = groups[key]
+            if held and group is not None:
+                counted = stage_rank(self.schedule, min(holders), self.size, self.stages_per_rank) == pipeline_rank
+                self._ties.append((group, held, counted))
+
     def take_backward(self) -> bool:
         """Whether the last `Pipeline.step` ran the backward of the batch (once: the flag is cleared)."""
         ran, self._ran_backward = self._ran_backward, False
@@ -462,6 +617,8 @@ class Pipelining:
         mesh, device = self._mesh, self._device
         assert device is not None and self._group is not None
         pipeline_rank = mesh["pipeline_parallel"].get_local_rank()
+        self._model = model
+        self._tie(model, layers, pipeline_rank)
         stages, parts = split_for_rank(model, self.schedule, pipeline_rank, self.size, self.stages_per_rank, layers)
         self._stage_parts = list(zip(stages, parts, strict=True))
         last = stage_rank(self.schedule, self.num_stages - 1, self.size, self.stages_per_rank)
@@ -494,4 +651,5 @@ class Pipelining:
             loss_scale=loss_scale,
             on_backward=self._mark_backward,
             microbatches=self.microbatches,
+            tied_names=self._tied_names,
         )

@@ -74,7 +74,8 @@ class BroadcastPointToPoint(dist.ProcessGroup):
         if key not in self._pairs:
             raise RuntimeError(
                 f"lightning_trn's stage transport has no group for ranks {key[0]} -> {key[1]}: only neighbouring "
-                "stages (in a ring) exchange tensors in torch's pipeline schedules."
+                "stages exchange tensors in torch's pipeline schedules (the last with the first in the looped "
+                "interleaved ones only)."
             )
         return self._pairs[key]
 
@@ -111,13 +112,14 @@ def _register() -> None:
         )
 
 
-def ring_pairs(pipeline_groups: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+def ring_pairs(pipeline_groups: Iterable[Sequence[int]], wrap: bool = True) -> list[tuple[int, int]]:
     """The ordered pairs of global ranks that exchange tensors: each pipeline rank with the next one in its group,
-    both ways, the last with the first included (interleaved and V schedules hand the last rank's stage to the
-    first rank's next stage). Sorted, so every process creates their groups in the same order."""
+    both ways, and with `wrap` the last with the first (only the looped interleaved schedules hand the last rank's
+    stage to the first rank's next stage: GPipe and 1F1B end on the last rank, and a V turns on it). Sorted, so every
+    process creates their groups in the same order."""
     pairs = set()
     for ranks in pipeline_groups:
-        for index, rank in enumerate(ranks):
+        for index, rank in enumerate(ranks[: None if wrap else -1]):
             following = ranks[(index + 1) % len(ranks)]
             if following != rank:
                 pairs |= {(rank, following), (following, rank)}
@@ -125,12 +127,16 @@ def ring_pairs(pipeline_groups: Iterable[Sequence[int]]) -> list[tuple[int, int]
 
 
 def pipeline_groups(
-    groups: Sequence[Sequence[int]], transport: str, backend: str | None, timeout: timedelta | None = None
+    groups: Sequence[Sequence[int]],
+    transport: str,
+    backend: str | None,
+    timeout: timedelta | None = None,
+    wrap: bool = True,
 ) -> list[dist.ProcessGroup | None]:
     """One pipeline group per entry of `groups` (every process creates all of them, in this order, as
     `new_group` requires): with the "broadcast" transport a `BroadcastPointToPoint` over one 2-rank group per
-    neighbouring pair; with "send_recv" a group of `backend`. Returns the groups, None where this rank is not in
-    one."""
+    neighbouring pair the schedule uses (`ring_pairs`, `wrap`); with "send_recv" a group of `backend`. Returns the
+    groups, None where this rank is not in one."""
     if transport not in TRANSPORTS:
         raise ValueError(f"Unknown stage transport {transport!r}: choose one of {', '.join(TRANSPORTS)}.")
     if transport == "send_recv":
@@ -138,7 +144,7 @@ def pipeline_groups(
     _register()
     rank = dist.get_rank()
     pairs: dict[tuple[int, int], _Pair] = {}
-    for source, destination in ring_pairs(groups):
+    for source, destination in ring_pairs(groups, wrap):
         group = dist.new_group(sorted((source, destination)), backend=backend, timeout=timeout)
         if rank in (source, destination):
             pairs[(source, destination)] = _Pair(group, source)

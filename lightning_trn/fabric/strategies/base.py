@@ -180,7 +180,7 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
             max_norm,
             norm_type,
             error_if_nonfinite,
-            group=getattr(self.precision, "gradient_norm_group", None),
+            scope=getattr(self.precision, "gradient_norm_scope", None),
         )
 
     @override

@@ -32,6 +32,7 @@ from lightning_trn.core.parallel.model_parallel import (
     check_mesh_sizes,
     check_replicated_sharding,
     check_shards_models,
+    check_tensor_parallel_gradients,
     data_parallel_sampler_kwargs,
     host_values_to_meta,
     materialize,
@@ -99,6 +100,9 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         self._user_parallelize_fn = parallelize_fn
         self._seed_checkpoint = seed_checkpoint
         self._replicate_size = replicate_size
+        self._checked_tensor_parallel = False
+        #: the module `setup_module` sharded (Fabric's strategies hold none)
+        self._module: Module | None = None
         self._pipelining = Pipelining(
             pipeline_parallel_size,
             pipeline_schedule,
@@ -139,6 +143,33 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         self.precision.pre_backward(tensor, module)
         self.precision.post_backward(tensor, module)
 
+    @override
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        """Before clipping or the update, once per step: the copies of a weight tied across pipeline stages take
+        their summed gradient (`Pipelining.reduce_tied_gradients`); at the first step, whole
+        parameters of tensor-parallel blocks are checked (`check_tensor_parallel_gradients`)."""
+        self._pipelining.reduce_tied_gradients()
+        if not self._checked_tensor_parallel and self._module is not None:
+            check_tensor_parallel_gradients(self._module, self.device_mesh)
+            self._checked_tensor_parallel = True
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        self._reduce_for_step(optimizer)
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._reduce_for_step(optimizer)
+        super().clip_gradients_value(module, optimizer, clip_val)
+
     def _parallelize_and_materialize(self, module: Module, device_mesh: Any) -> Module:
         """The user's `parallelize_fn` on the module's meta twin, then each rank's shards (and what `parallelize_fn`
         left unsharded) go to the device: the values the module was built with on the host, or for a module built on
@@ -152,6 +183,7 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
             if self.world_size > 1:  # what FSDP1's `sync_module_states=True` asked for, always
                 broadcast_replicated(module, self.root_device, *self._pipelining.stage_peers)
             check_replicated_sharding(module, device_mesh)
+            self._module = module
             refuse_local_dropout(module, self)
         # random ops on the sharded module's DTensors (`init_weights()` after `setup`): the `neuron` rule from here
         # on; Fabric has no teardown to put torch's back at, and the rule leaves other devices' meshes to torch

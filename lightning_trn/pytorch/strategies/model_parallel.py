@@ -31,6 +31,7 @@ from lightning_trn.core.parallel.model_parallel import (
     check_mesh_sizes,
     check_replicated_sharding,
     check_shards_models,
+    check_tensor_parallel_gradients,
     data_parallel_sampler_kwargs,
     materialize,
     setup_outer_mesh,
@@ -104,6 +105,7 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         )
         self._seed_checkpoint = seed_checkpoint
         self._replicate_size = replicate_size
+        self._checked_tensor_parallel = False
         self._pipelining = Pipelining(
             pipeline_parallel_size,
             pipeline_schedule,
@@ -144,6 +146,17 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
         return self._pipelining.split(model, loss_fn, layers, loss_scale=lambda: 1.0 / accumulation)
+
+    @override
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        """Once the step's gradients are complete, before clipping: the copies of a weight tied across pipeline
+        stages take their summed gradient (`Pipelining.reduce_tied_gradients`); at the first step, whole
+        parameters of tensor-parallel blocks are checked (`check_tensor_parallel_gradients`)."""
+        self._pipelining.reduce_tied_gradients()
+        if not self._checked_tensor_parallel:
+            assert self.model is not None
+            check_tensor_parallel_gradients(self.model, self.device_mesh)
+            self._checked_tensor_parallel = True
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

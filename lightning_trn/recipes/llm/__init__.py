@@ -45,7 +45,14 @@ from lightning_trn.recipes.llm.model import (
     pipeline_llm,
     pretrained_model,
 )
-from lightning_trn.recipes.llm.parallelize import apply_ac, apply_compile, apply_fsdp, apply_tp, parallelize
+from lightning_trn.recipes.llm.parallelize import (
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+    apply_tp,
+    parallelize,
+    refuse_stages_with,
+)
 from lightning_trn.recipes.llm.sft import sft_datamodule
 
 __all__ = [
@@ -227,20 +234,9 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check_pipeline(cfg: DictConfig) -> None:
-    """Refuse, with what to do instead, what the recipe does not run with pipeline stages: tensor parallel (its plan
-    keeps the activations between decoder layers as DTensors, which stages do not exchange) and a pretrained folder
-    (its weights are read after the split, which `load_pretrained` has not been proven on)."""
+    """Refuse, before anything is built, what the recipe does not run with pipeline stages (`refuse_stages_with`)."""
     m = cfg.model
-    if m.pipeline_parallel_size == 1:
-        return
-    if m.tensor_parallel_size > 1 or m.pretrained:
-        key, value = ("pretrained", m.pretrained) if m.pretrained else ("tensor_parallel_size", m.tensor_parallel_size)
-        raise ValueError(
-            f"model.pipeline_parallel_size={m.pipeline_parallel_size} does not run with model.{key}={value}: the"
-            " recipe's pipeline stages take FSDP2 (and HSDP) within each stage only, and train from scratch. Use"
-            " model.pipeline_parallel_size=1 for tensor parallel or a pretrained model (LoRA included), or drop the"
-            " setting to keep the stages."
-        )
+    refuse_stages_with(m.pipeline_parallel_size, m.tensor_parallel_size, lora=bool(m.lora.r))
 
 
 def summary(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:

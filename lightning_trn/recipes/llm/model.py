@@ -22,7 +22,13 @@ from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, pipeline_spli
 from lightning_trn.hooks.throughput import tensor_parallel_size
 from lightning_trn.recipes.llm.data import IGNORE_INDEX, SPECIAL_TOKENS, pretrained_tokenizer, wrap_tokenizer
 from lightning_trn.recipes.llm.lora import add_adapters, base_layers, init_adapters
-from lightning_trn.recipes.llm.parallelize import apply_ac, apply_compile, parallelize
+from lightning_trn.recipes.llm.parallelize import (
+    apply_ac,
+    apply_compile,
+    apply_fsdp_stage,
+    parallelize,
+    refuse_stages_with,
+)
 
 
 class TokenMean(Metric):
@@ -96,8 +102,14 @@ class StageLM(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits (the last stage) or hidden states (the others) of token ids (the first stage) or hidden states."""
         if self.net.model.embed_tokens is not None:
-            return causal_lm_logits(self.net, input_ids=x)
-        return causal_lm_logits(self.net, inputs_embeds=x)
+            out = causal_lm_logits(self.net, input_ids=x)
+        else:
+            out = causal_lm_logits(self.net, inputs_embeds=x)
+        if isinstance(self.net.lm_head, torch.nn.Identity):  # not the last stage: hidden states to hand over
+            # the head's input is `hidden_states[:, slice]`, a view; torch's split backward (ZBVZeroBubble)
+            # detaches a stage's output in place, which a view refuses
+            out = out.clone() if out._is_view() else out
+        return out
 
 
 def pipeline_llm(net: LlamaForCausalLM, loss_fn: LossFn, strategy: Any) -> Pipeline:
@@ -372,6 +384,8 @@ class CausalLM(pl.LightningModule):
             bf16 = str(self.trainer.precision).startswith("bf16")
             nets = [self.net]
             if getattr(self.trainer.strategy, "pipeline_parallel_size", 1) > 1:
+                stages = getattr(self.trainer.strategy, "pipeline_parallel_size", 1)
+                refuse_stages_with(stages, self.device_mesh["tensor_parallel"].size(), lora=bool(self.hparams["lora"]))
                 # other stages' modules leave `net`, but their initialization still draws from the generator
                 if self._init_rng_state is not None:
                     self._init_steps = eager_init_steps(self.net)
@@ -379,6 +393,8 @@ class CausalLM(pl.LightningModule):
                 nets = [cast(LlamaForCausalLM, part.net) for part in self._pipeline.parts]
             for net in nets:
                 parallelize(net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None, compiled)
+            for part in self._pipeline.parts if self._pipeline is not None else ():
+                apply_fsdp_stage(part, self.device_mesh, torch.bfloat16 if bf16 else None)
         else:
             if checkpointing:
                 apply_ac(self.net)
@@ -390,8 +406,11 @@ class CausalLM(pl.LightningModule):
             from lightning_trn.core.checkpoint.pretrained import load_pretrained
 
             device = self.trainer.strategy.root_device
+            stage = None
+            if self._pipeline is not None:  # this rank's stages; their tied names as `net`'s
+                stage = [[name.removeprefix("net.") for name in tie] for tie in self._pipeline.tied_names]
             with base_layers(self.net):  # the folder's names are those of the model without adapters
-                load_pretrained(self.net, self.hparams["pretrained"], prefix="", device=device)
+                load_pretrained(self.net, self.hparams["pretrained"], prefix="", device=device, stage=stage)
             init_adapters(self.net, device)
         self._parallelized = True
 

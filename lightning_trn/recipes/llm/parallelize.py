@@ -37,6 +37,22 @@ def parallelize(
     return net
 
 
+def refuse_stages_with(stages: int, tensor_parallel_size: int = 1, lora: bool = False) -> None:
+    """Refuse, with what to do instead, what the recipe's pipeline stages do not run: tensor parallel inside the
+    stages (the plan keeps the hidden states between decoder layers as sequence-split DTensors, and the vocabulary-
+    split loss's backward runs inside torch's schedule, where `loss_parallel` is not proven: the conformance sweep's
+    pipeline x TP cells of the Hugging Face families) and LoRA adapters (not in the sweep)."""
+    if stages == 1 or (tensor_parallel_size == 1 and not lora):
+        return
+    key, value = ("lora.r", "set") if lora else ("tensor_parallel_size", tensor_parallel_size)
+    raise ValueError(
+        f"model.pipeline_parallel_size={stages} does not run with model.{key}={value}: the recipe's pipeline stages "
+        "take FSDP2 (and HSDP) within each stage, from scratch or from a pretrained folder, without LoRA. Use "
+        "model.pipeline_parallel_size=1 for tensor parallel or LoRA, or drop the setting to keep the stages "
+        '(docs/sharding.md, "Conformance", lists what each layout runs).'
+    )
+
+
 def data_parallel_dims(device_mesh: Any) -> tuple[str, ...]:
     """The mesh dimensions FSDP2 spans: `data_parallel`, with `replicate` before it where the mesh has replicas
     (a 2-D mesh makes `fully_shard` HSDP: parameters replicated over the first dimension, sharded over the second,
@@ -79,18 +95,18 @@ def apply_tp(net: LlamaForCausalLM, tp_mesh: Any) -> None:
             f"Tensor parallel over {tp_mesh.size()} devices needs num_heads ({config.num_attention_heads})"
             f" and num_kv_heads ({config.num_key_value_heads}) divisible by it."
         )
-    tied = net.lm_head.weight is net.model.embed_tokens.weight  # pretrained folders may tie them
-    parallelize_module(
-        net,
-        tp_mesh,
-        {
-            "model.embed_tokens": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-            ),
-            "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
+    embedding, head = net.model.embed_tokens, getattr(net.lm_head, "weight", None)
+    tied = embedding is not None and head is embedding.weight  # pretrained folders may tie them
+    plan: dict[str, Any] = {}
+    # a pipeline stage (`pipeline_llm`) has the embedding on the first stage only, the norm and head on the last
+    if embedding is not None:
+        plan["model.embed_tokens"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
+    if head is not None:
+        plan["model.norm"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(net, tp_mesh, plan)
     if tied:  # each plan distributed its own copy; both split the vocabulary (Shard(0)), so one serves both again
         net.lm_head.weight = net.model.embed_tokens.weight
     # attention takes its input by keyword (`hidden_states=`), the MLP positionally
@@ -116,6 +132,12 @@ def apply_tp(net: LlamaForCausalLM, tp_mesh: Any) -> None:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": to_sequence_shards,
     }
+    if hasattr(next(iter(net.model.layers)).self_attn, "q_norm"):
+        # Qwen3: an RMSNorm over each head's query and key (input: batch, sequence, this rank's heads, head_dim), as
+        # TorchTitan's Qwen3 plan: its weight replicated, its input split over the heads, so its gradient is summed
+        # over the ranks' heads
+        per_head = SequenceParallel(sequence_dim=2, use_local_output=True)
+        block_plan |= {"self_attn.q_norm": per_head, "self_attn.k_norm": per_head}
     for layer in net.model.layers:
         parallelize_module(layer, tp_mesh, block_plan)
 
@@ -130,6 +152,19 @@ def apply_compile(net: LlamaForCausalLM) -> None:
     """TorchTitan's `apply_compile`: each decoder layer compiled in place, its checkpointing inside, with
     `fullgraph=True` (`lightning_trn.compile_blocks`; unchanged on XLA)."""
     compile_blocks(net.model.layers)
+
+
+def apply_fsdp_stage(stage: torch.nn.Module, device_mesh: Any, param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 on a pipeline stage's module (`StageLM`, around the stage's sharded `net`): torch's schedules reduce the
+    gradients of all microbatches once, at the step's end, only when the stage's module is itself an FSDP module
+    (TorchTitan shards each model part so); otherwise every microbatch's backward reduce-scatters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dp = device_mesh[data_parallel_dims(device_mesh)]
+    if dp.size() == 1:
+        return
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    fully_shard(stage, mesh=dp, mp_policy=mp_policy or MixedPrecisionPolicy())
 
 
 def apply_fsdp(net: LlamaForCausalLM, dp_mesh: Any, param_dtype: torch.dtype | None = None) -> None:
