@@ -16,7 +16,7 @@ from lightning.fabric.strategies.model_parallel import _setup_device_mesh
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_trn.core.parallel.model_parallel import build_device_mesh, mesh_sizes
+from lightning_trn.core.parallel.parallel_dims import ParallelDims
 from lightning_trn.recipes import cli, llm
 from tests.standin.fake_group import fake_process_group
 
@@ -102,11 +102,11 @@ def test_replicate_size_makes_the_recipe_hsdp() -> None:
     cfg = cli.load_config(llm.RECIPE, [*HSDP_JOB, "model.replicate_size=2"])
     strategy = llm.trainer_args(cfg)["strategy"]
     assert isinstance(strategy, NeuronModelParallelStrategy)
-    sizes = (strategy._replicate_size, strategy._data_parallel_size, strategy._tensor_parallel_size)
-    assert sizes == (2, 2, 1)
+    dims = strategy.parallel_dims
+    assert (dims.replicate, dims.data_parallel, dims.tensor_parallel) == (2, 2, 1)
     module = llm.build_model(cfg)
     with fake_process_group(4):
-        mesh = build_device_mesh(mesh_sizes(2, 2, *sizes[1:], replicate=2), "cpu")  # as the strategy's setup does
+        mesh = ParallelDims.build_mesh(dims.sizes(2, 2), "cpu")  # as the strategy's setup does
         module._device_mesh = mesh
         module._trainer = SimpleNamespace(strategy=SimpleNamespace(), precision=cfg.trainer.precision)
         module.configure_model()

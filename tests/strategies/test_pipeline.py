@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from torch import nn
 
 from lightning_trn.core.checkpoint.distributed_checkpoint import write_consolidated
 from lightning_trn.core.parallel import pipeline
-from lightning_trn.core.parallel.model_parallel import check_mesh_sizes, mesh_sizes
+from lightning_trn.core.parallel.parallel_dims import ParallelDims
 from lightning_trn.core.parallel.stage_transport import ring_pairs
 from tests.launch import child_env, run_job
 from tests.tolerance import assert_losses_match, assert_weights_match, losses_error, weights_error
@@ -258,25 +257,26 @@ def test_pipeline_settings_are_checked_at_construction(arguments: dict, message:
         NeuronModelParallelStrategy(pipeline_parallel_size=2, **arguments)
 
 
-def test_mesh_sizes_name_each_dimension_and_resolve_auto() -> None:
-    assert mesh_sizes(2, 4, "auto", "auto") == {
+def test_parallel_dims_name_each_dimension_and_resolve_auto() -> None:
+    """The mesh's one owner (TorchTitan's `ParallelDims`): "auto" resolved as Lightning's strategy resolves it
+    without outer dimensions, the product checked against the run's processes, each size positive."""
+    assert ParallelDims().sizes(2, 4) == {
         "pipeline_parallel": 1,
         "replicate": 1,
         "data_parallel": 2,
         "tensor_parallel": 4,
     }
-    assert mesh_sizes(4, 8, "auto", 8, pipeline=4) == {
+    assert ParallelDims(pipeline_parallel=4, tensor_parallel=8).sizes(4, 8) == {
         "pipeline_parallel": 4,
         "replicate": 1,
         "data_parallel": 1,
         "tensor_parallel": 8,
     }
-    strategy = SimpleNamespace(num_nodes=1, num_processes=4)
-    check_mesh_sizes(strategy, 2, "auto", pipeline=2)  # data 2 x tensor 1 x pipeline 2
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3.*needs 6 processes, the run has 4"):
-        check_mesh_sizes(strategy, 2, 1, pipeline=3)
+    assert ParallelDims(2, 1, 2, "auto").check("S", 1, 4)["data_parallel"] == 2  # data 2 x tensor 1 x pipeline 2
+    with pytest.raises(ValueError, match=r"S\(pipeline_parallel_size=3.*needs 6 processes, the run has 4"):
+        ParallelDims(3, 1, 2, 1).check("S", 1, 4)
     with pytest.raises(ValueError, match=r"replicate_size=0\): each mesh size is a positive whole number"):
-        check_mesh_sizes(strategy, "auto", "auto", replicate=0)
+        ParallelDims(replicate=0).check("S", 1, 4)
 
 
 def test_hsdp_mesh_refuses_a_module_sharded_over_the_data_parallel_dimension_alone() -> None:

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_trn.core.checkpoint.safetensors_blocks import file_shapes, listed, local_block, read_into, weight_files
+from lightning_trn.core.parallel.parallel_dims import ParallelDims
 from lightning_trn.runtime import DeviceRuntime
 
 #: the arguments of Lightning's `ModelParallelStrategy` (Trainer and Fabric) and the attributes that hold them
@@ -327,83 +328,6 @@ def broadcast_replicated(module: Module, device: torch.device, group: Any = None
                     dist.broadcast(local, group=tensor.device_mesh.get_group(dim), group_src=0)
 
 
-#: the device mesh's dimensions, outermost first (TorchTitan's order: pipeline stages across nodes, tensor parallel
-#: inside a node); "pipeline_parallel" and "replicate" are in the mesh only when above 1, so a module written for
-#: Lightning's 2-D mesh ("data_parallel", "tensor_parallel") runs unchanged
-MESH_DIMENSIONS = ("pipeline_parallel", "replicate", "data_parallel", "tensor_parallel")
-
-
-def mesh_sizes(
-    num_nodes: int,
-    num_processes: int,
-    data: Any,
-    tensor: Any,
-    pipeline: int = 1,
-    replicate: int = 1,
-) -> dict[str, int]:
-    """The size of each of `MESH_DIMENSIONS`, "auto" resolved: as Lightning's `ModelParallelStrategy` without
-    pipeline stages or replicas (tensor parallel = devices of a node, data parallel = nodes); with them, tensor
-    parallel 1 and data parallel what the other sizes leave of the world."""
-    world = num_nodes * num_processes
-    if pipeline * replicate == 1:
-        tensor = num_processes if tensor == "auto" else tensor
-        data = num_nodes if data == "auto" else data
-    else:
-        tensor = 1 if tensor == "auto" else tensor
-        data = max(world // (pipeline * replicate * tensor), 1) if data == "auto" else data
-    return dict(zip(MESH_DIMENSIONS, (pipeline, replicate, data, tensor), strict=True))
-
-
-def check_mesh_sizes(strategy: Any, data: Any, tensor: Any, pipeline: int = 1, replicate: int = 1) -> None:
-    """Check, once the devices and nodes are known (at `Trainer(...)` / `Fabric(...)`), that the mesh (pipeline x
-    replicate x data-parallel x tensor-parallel, as TorchTitan's `ParallelDims` checks it) covers the run's processes
-    exactly, each size a positive number (data and tensor may be "auto")."""
-    num_nodes, num_processes = strategy.num_nodes, strategy.num_processes
-    given = {"pipeline_parallel_size": pipeline, "replicate_size": replicate}
-    given |= {"data_parallel_size": data, "tensor_parallel_size": tensor}
-    for name, size in given.items():
-        if size != "auto" and (not isinstance(size, int) or size < 1):
-            raise ValueError(
-                f"{type(strategy).__name__}({name}={size!r}): each mesh size is a positive whole number"
-                + (' or "auto".' if name in ("data_parallel_size", "tensor_parallel_size") else ".")
-            )
-    sizes = mesh_sizes(num_nodes, num_processes, data, tensor, pipeline, replicate)
-    processes = num_nodes * num_processes
-    product = pipeline * replicate * sizes["data_parallel"] * sizes["tensor_parallel"]
-    if product != processes:
-        shown = ("data_parallel_size", "tensor_parallel_size")
-        arguments = ", ".join(f"{name}={size!r}" for name, size in given.items() if size != 1 or name in shown)
-        resolved = " x ".join(f"{name} {size}" for name, size in sizes.items() if size != 1) or "1"
-        raise ValueError(
-            f"{type(strategy).__name__}({arguments}) needs {product} processes, the run has {processes} "
-            f"(devices={num_processes} x num_nodes={num_nodes}; the mesh: {resolved}). Choose sizes whose product is "
-            "devices x num_nodes; "
-            "tensor parallelism is fastest within a node, e.g. tensor_parallel_size=devices and "
-            "data_parallel_size=num_nodes (the defaults, 'auto'); pipeline stages and HSDP replicas go across nodes "
-            "(pipeline_parallel_size or replicate_size = num_nodes)."
-        )
-
-
-def build_device_mesh(sizes: dict[str, int], device_type: str) -> Any:
-    """The device mesh of `sizes` (`mesh_sizes`): "data_parallel" and "tensor_parallel" always, "pipeline_parallel"
-    and "replicate" where above 1."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dimensions = {name: size for name, size in sizes.items() if size > 1 or name in MESH_DIMENSIONS[2:]}
-    return init_device_mesh(device_type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
-
-
-def data_parallel_sampler_kwargs(mesh: Any) -> dict[str, int]:
-    """A `DistributedSampler`'s `num_replicas` and `rank`: the replicate and data-parallel dimensions together
-    (HSDP's replicas read different data too; a pipeline's stages and a tensor-parallel group read the same)."""
-    names = mesh.mesh_dim_names
-    rank, size = 0, 1
-    for name in ("replicate", "data_parallel"):
-        if name in names:
-            rank, size = rank * mesh[name].size() + mesh[name].get_local_rank(), size * mesh[name].size()
-    return {"num_replicas": size, "rank": rank}
-
-
 def check_replicated_sharding(module: Module, mesh: Any) -> None:
     """With HSDP replicas, refuse a module sharded over the data-parallel dimension alone: its gradients would never
     be reduced over the replicas, and the replicas would drift apart silently."""
@@ -488,29 +412,22 @@ def check_tensor_parallel_gradients(module: Module, mesh: Any) -> None:
 
 
 def setup_outer_mesh(
-    strategy: Any, lightning_setup: Callable[[], None], pipelining: Any, replicate_size: int, precision: Any
+    strategy: Any, lightning_setup: Callable[[], None], dims: ParallelDims, pipelining: Any, precision: Any
 ) -> None:
     """A Neuron `ModelParallelStrategy`'s `setup_environment` (Trainer and Fabric): Lightning's own
-    (`lightning_setup`), and with pipeline stages or HSDP replicas the N-D mesh (`build_device_mesh`) in place of
-    Lightning's 2-D one, which is built over a data-parallel size standing for the outer dimensions together; then
-    the pipeline groups (`lightning_trn.core.parallel.pipeline.Pipelining.setup`), which are also the scope of gradient
+    (`lightning_setup`), and with pipeline stages or HSDP replicas the N-D mesh of `dims` in place of Lightning's 2-D
+    one, which is built over a data-parallel size standing for the outer dimensions together; then the pipeline
+    groups (`lightning_trn.core.parallel.pipeline.Pipelining.setup`), which are also the scope of gradient
     clipping's norm."""
-    outer = pipelining.size * replicate_size
-    if outer == 1:
+    if dims.outer == 1:
         lightning_setup()
         return
-    sizes = mesh_sizes(
-        strategy.num_nodes,
-        strategy.num_processes,
-        strategy._data_parallel_size,
-        strategy._tensor_parallel_size,
-        pipelining.size,
-        replicate_size,
-    )
-    strategy._data_parallel_size = outer * sizes["data_parallel"]
+    sizes = dims.sizes(strategy.num_nodes, strategy.num_processes)
+    # Lightning's setup reads its two sizes; they stand for the outer dimensions only while it runs
+    strategy._data_parallel_size = dims.outer * sizes["data_parallel"]
     strategy._tensor_parallel_size = sizes["tensor_parallel"]
     lightning_setup()
     strategy._data_parallel_size = sizes["data_parallel"]
-    strategy._device_mesh = build_device_mesh(sizes, strategy.root_device.type)
+    strategy._device_mesh = ParallelDims.build_mesh(sizes, strategy.root_device.type)
     pipelining.setup(strategy._device_mesh, strategy.root_device, strategy._process_group_backend)
     precision.gradient_norm_scope = pipelining

@@ -29,15 +29,14 @@ from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_
 from lightning_trn.core.parallel.dtensor_random import refuse_local_dropout
 from lightning_trn.core.parallel.model_parallel import (
     broadcast_replicated,
-    check_mesh_sizes,
     check_replicated_sharding,
     check_shards_models,
     check_tensor_parallel_gradients,
-    data_parallel_sampler_kwargs,
     host_values_to_meta,
     materialize,
     setup_outer_mesh,
 )
+from lightning_trn.core.parallel.parallel_dims import ParallelDims
 from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, Pipelining
 from lightning_trn.core.parallel.process_group import ProcessGroup
 from lightning_trn.fabric.strategies.base import NeuronFabricStrategyBase
@@ -99,12 +98,16 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         )
         self._user_parallelize_fn = parallelize_fn
         self._seed_checkpoint = seed_checkpoint
-        self._replicate_size = replicate_size
+        #: the mesh's sizes, the one owner of them (Lightning's `_data_parallel_size` and `_tensor_parallel_size`
+        #: are what its own setup reads)
+        self._parallel_dims = ParallelDims(
+            pipeline_parallel_size, replicate_size, data_parallel_size, tensor_parallel_size
+        )
         self._checked_tensor_parallel = False
         #: the module `setup_module` sharded (Fabric's strategies hold none)
         self._module: Module | None = None
         self._pipelining = Pipelining(
-            pipeline_parallel_size,
+            self._parallel_dims.pipeline_parallel,
             pipeline_schedule,
             pipeline_microbatches,
             pipeline_stages_per_rank,
@@ -113,20 +116,25 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         )
 
     @property
+    def parallel_dims(self) -> ParallelDims:
+        """The mesh's sizes as given ("auto" resolved at setup)."""
+        return self._parallel_dims
+
+    @property
     def pipeline_parallel_size(self) -> int:
-        return self._pipelining.size
+        return self._parallel_dims.pipeline_parallel
 
     @override
     def setup_environment(self) -> None:
         """Lightning's, with the N-D mesh where there are pipeline stages or replicas (`setup_outer_mesh`)."""
-        setup_outer_mesh(self, super().setup_environment, self._pipelining, self._replicate_size, self.precision)
+        setup_outer_mesh(self, super().setup_environment, self._parallel_dims, self._pipelining, self.precision)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data-parallel ranks are the replicas and the shards together; a pipeline's stages read the same
         batch."""
-        return data_parallel_sampler_kwargs(self.device_mesh)
+        return ParallelDims.sampler_kwargs(self.device_mesh)
 
     def _pipeline_for(self, model: Module, loss_fn: LossFn, layers: str | None) -> Pipeline:
         """`lightning_trn.pipeline_split` with this strategy (a Fabric loop divides its loss for accumulation
@@ -193,8 +201,7 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
     @override
     def _configure_launcher(self) -> None:
         """Called once the devices and nodes are known (at `Fabric(...)`): check the mesh fits."""
-        data, tensor = self._data_parallel_size, self._tensor_parallel_size
-        check_mesh_sizes(self, data, tensor, self.pipeline_parallel_size, self._replicate_size)
+        self._parallel_dims.check(type(self).__name__, self.num_nodes, self.num_processes)
         super()._configure_launcher()
 
     @override
