@@ -83,19 +83,31 @@ CORE: tuple[Cell, ...] = (
     Cell("nanogpt_tied", "pp_zbv_fsdp2", "accumulate"),  # ZBVZeroBubble x FSDP2, a tie inside one rank's stages
     Cell("llama_tied", "pp_zbv", "accumulate"),  # the recipe's stages under the split backward, pretrained, tied
     Cell("nanogpt_tied", "pp_tp", "resume"),  # pipeline x tensor parallel, tied across stages, resumed
-    Cell("llama", "pp_tp", "accumulate"),  # the recipe refuses tensor parallel inside its stages
+    Cell("qwen3", "pp_tp", "predict"),  # the recipe's stages with tensor parallel inside (3-D with FSDP2)
+    Cell("llama_tied", "pp_tp", "accumulate"),  # refused: a tied head under pipeline x tensor parallel
+    Cell("user", "pp_zbv", "predict"),  # refused: ZBVZeroBubble does not evaluate
     Cell("mistral", "fsdp2", "predict"),
     Cell("qwen2_tied", "hsdp", "val_in_window"),
     Cell("user", "ddp", "last_batch"),
 )
 
-#: the cells that must be refused (every other cell must equal one device): the recipe's pipeline stages refuse
-#: tensor parallel inside them (`lightning_trn.recipes.llm.parallelize.refuse_stages_with`)
+#: the cells that must be refused (every other cell must equal one device): the recipe refuses a tied head under
+#: pipeline x tensor parallel (`lightning_trn.recipes.llm.parallelize.refuse_stages_with`), and ZBVZeroBubble does
+#: not evaluate (`Pipeline.eval` and `predict` refuse it: torch's V schedules run backward actions in `eval()`)
 EXPECTED: dict[Cell, str] = {
-    Cell(family, layout, event): "refused"
-    for family in FAMILIES[2:]
-    for layout in ("pp_tp", "pp_tp_fsdp2")
-    for event in EVENTS
+    **{
+        Cell(family, layout, event): "refused"
+        for family in FAMILIES
+        if family.endswith("_tied") and family != "nanogpt_tied"
+        for layout in ("pp_tp", "pp_tp_fsdp2")
+        for event in EVENTS
+    },
+    **{
+        Cell(family, layout, event): "refused"
+        for family in FAMILIES
+        for layout in ("pp_zbv", "pp_zbv_fsdp2")
+        for event in ("val_in_window", "predict")
+    },
 }
 
 ROOT = Path(__file__).resolve().parents[1]

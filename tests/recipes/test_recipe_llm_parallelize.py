@@ -168,14 +168,9 @@ def test_pipeline_parallel_size_gives_the_strategy_stages() -> None:
     ("overrides", "expected"),
     [
         (
-            ("model.tensor_parallel_size=2",),
-            "model.pipeline_parallel_size=2 does not run with model.tensor_parallel_size=2: the recipe's pipeline "
-            "stages take FSDP2 (and HSDP) within each stage, from scratch or from a pretrained folder, without LoRA. "
-            "Use model.pipeline_parallel_size=1",
-        ),
-        (
             ("model.pretrained=folder", "model.lora.r=4"),
-            "model.pipeline_parallel_size=2 does not run with model.lora.r=set",
+            "model.pipeline_parallel_size=2 does not run with model.lora.r set: the recipe's pipeline stages take "
+            "FSDP2, HSDP and tensor parallel within each stage",
         ),
         (("trainer.strategy=fsdp",), "model.pipeline_parallel_size=2 needs trainer.strategy=model_parallel"),
         (
@@ -189,7 +184,7 @@ def test_pipeline_parallel_size_gives_the_strategy_stages() -> None:
     ],
 )
 def test_pipeline_parallel_size_is_refused_in_one_line(overrides: tuple[str, ...], expected: str) -> None:
-    """What the recipe does not run with stages (tensor parallel, LoRA adapters, another
+    """What the recipe does not run with stages (LoRA adapters, another
     strategy, an unknown schedule, a world the stages do not divide): one line naming the key and what to do."""
     with pytest.raises(ValueError) as refused:
         llm.trainer_args(cli.load_config(llm.RECIPE, [*HSDP_JOB, "model.pipeline_parallel_size=2", *overrides]))

@@ -229,10 +229,13 @@ class Pipeline:
         on_backward: Callable[[], None] = lambda: None,
         microbatches: int = 1,
         tied_names: list[list[str]] | None = None,
+        schedule: str | None = None,
     ) -> None:
         self.model = model
         #: the names of each weight tied across stages (`tied_across_stages`), in the unsplit model
         self.tied_names = tied_names or []
+        #: the schedule's name (`SCHEDULES`), None without stages
+        self.schedule = schedule
         self.loss_fn = loss_fn
         #: the modules this rank's stages run, in stage order: parallelize each of them (TP, FSDP2)
         self.parts = parts if parts is not None else [model]
@@ -266,6 +269,14 @@ class Pipeline:
         their first batch (a smaller last batch would be received into the first one's buffers), and re-infer them,
         clearing the FSDP modules' gradients, whenever one schedule switches between `step` and `eval`."""
         assert self._build is not None
+        if kind != "train" and self.schedule in V_SCHEDULES:
+            raise NotImplementedError(
+                f"pipeline_schedule={self.schedule!r} trains, but does not validate, test or predict: torch's "
+                "V schedules run their backward actions in `eval()` too (torch 2.13: \"can't steal_bwd_input if this "
+                "stage doesn't have backward\"). Validate with another schedule (1F1B, Interleaved1F1B), or train "
+                "with `limit_val_batches=0` and evaluate the checkpoint on another layout (checkpoints resume on "
+                "any)."
+            )
         for input in inputs:
             if isinstance(input, Tensor) and input.shape[0] % self.microbatches:
                 raise ValueError(
@@ -636,7 +647,10 @@ class Pipelining:
             return value
 
         def share(output: Any) -> Any:
-            """The last stage's output on every stage's rank, on this rank's device."""
+            """The last stage's output on every stage's rank, on this rank's device (whole: a DTensor, the logits
+            split over the vocabulary under tensor parallel, is gathered first)."""
+            if hasattr(output, "full_tensor"):
+                output = output.full_tensor()
             objects = [output.cpu() if isinstance(output, Tensor) else output]
             dist.broadcast_object_list(objects, group=report_group, group_src=last, device=device)
             return objects[0].to(device) if isinstance(objects[0], Tensor) else objects[0]
@@ -652,4 +666,5 @@ class Pipelining:
             on_backward=self._mark_backward,
             microbatches=self.microbatches,
             tied_names=self._tied_names,
+            schedule=self.schedule,
         )

@@ -234,9 +234,10 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check_pipeline(cfg: DictConfig) -> None:
-    """Refuse, before anything is built, what the recipe does not run with pipeline stages (`refuse_stages_with`)."""
+    """Refuse, before anything is built, what the recipe does not run with pipeline stages (`refuse_stages_with`; a
+    folder's tied head under tensor parallel is refused once the folder is read, in `configure_model`)."""
     m = cfg.model
-    refuse_stages_with(m.pipeline_parallel_size, m.tensor_parallel_size, lora=bool(m.lora.r))
+    refuse_stages_with(m.pipeline_parallel_size, lora=bool(m.lora.r))
 
 
 def summary(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -97,15 +97,26 @@ class StageLM(torch.nn.Module):
     def __init__(self, net: LlamaForCausalLM) -> None:
         super().__init__()
         self.net = net
+        #: under tensor parallel (`apply_tp`), the mesh over which hidden states are split along the sequence
+        self.sequence_mesh: Any = None
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits (the last stage) or hidden states (the others) of token ids (the first stage) or hidden states."""
+        """Logits (the last stage) or hidden states (the others) of token ids (the first stage) or hidden states.
+
+        Under tensor parallel the hidden states between decoder layers are DTensors split along the sequence; stages
+        hand over their local parts (tensors): a later stage takes its part back as that DTensor, and a stage that
+        is not the last sends its own part."""
         if self.net.model.embed_tokens is not None:
             out = causal_lm_logits(self.net, input_ids=x)
         else:
+            if self.sequence_mesh is not None:
+                from torch.distributed.tensor import Shard
+
+                x = DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False)
             out = causal_lm_logits(self.net, inputs_embeds=x)
         if isinstance(self.net.lm_head, torch.nn.Identity):  # not the last stage: hidden states to hand over
+            out = out.to_local() if isinstance(out, DTensor) else out
             # the head's input is `hidden_states[:, slice]`, a view; torch's split backward (ZBVZeroBubble)
             # detaches a stage's output in place, which a view refuses
             out = out.clone() if out._is_view() else out
@@ -262,6 +273,8 @@ class CausalLM(pl.LightningModule):
         self._dense_parameters: int | None = None
         #: the pipeline stages this rank runs (`model.pipeline_parallel_size` > 1, `configure_model`), else None
         self._pipeline: Pipeline | None = None
+        #: inside `_loss_parallel` (it is entered once)
+        self._in_loss_parallel = False
         #: with stages and meta_init: the whole model's initialization, taken before the split (`materialization_steps`)
         self._init_steps: list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]] | None = None
 
@@ -270,14 +283,22 @@ class CausalLM(pl.LightningModule):
         """Next-token logits (batch, seq_len, vocab) of packed, causal blocks."""
         return causal_lm_logits(self.net, input_ids=input_ids)
 
-    def _loss_parallel(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _loss_parallel(self) -> Iterator[None]:
         """`loss_parallel()` where the logits are split over the vocabulary (`apply_tp`), else nothing: the cross
-        entropy's forward and its backward both need it."""
-        if tensor_parallel_size(self) == 1:
-            return contextlib.nullcontext()
+        entropy's forward and its backward both need it. Entered once: torch's context does not nest (leaving an
+        inner one turns it off), and a pipeline step runs the loss's forward and backward inside its schedule."""
+        if tensor_parallel_size(self) == 1 or self._in_loss_parallel:
+            yield
+            return
         from torch.distributed.tensor.parallel import loss_parallel
 
-        return loss_parallel()
+        self._in_loss_parallel = True
+        try:
+            with loss_parallel():
+                yield
+        finally:
+            self._in_loss_parallel = False
 
     def _summed_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of every predicted token (labels shifted by one, `IGNORE_INDEX` skipped). Under tensor
@@ -321,7 +342,8 @@ class CausalLM(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self._pipeline is not None:  # the schedule ran the backward too; the last stage's loss, on every rank
-            loss = self._pipeline.step(batch["input_ids"], target=batch["labels"])
+            with self._loss_parallel():  # around the schedule, which runs the loss's backward
+                loss = self._pipeline.step(batch["input_ids"], target=batch["labels"])
         else:
             total, count = self.loss_sum(batch)
             loss = total / count  # training blocks have no padding rows
@@ -385,7 +407,8 @@ class CausalLM(pl.LightningModule):
             nets = [self.net]
             if getattr(self.trainer.strategy, "pipeline_parallel_size", 1) > 1:
                 stages = getattr(self.trainer.strategy, "pipeline_parallel_size", 1)
-                refuse_stages_with(stages, self.device_mesh["tensor_parallel"].size(), lora=bool(self.hparams["lora"]))
+                tied = self.net.config.tie_word_embeddings and self.device_mesh["tensor_parallel"].size() > 1
+                refuse_stages_with(stages, tied_tensor_parallel=tied, lora=bool(self.hparams["lora"]))
                 # other stages' modules leave `net`, but their initialization still draws from the generator
                 if self._init_rng_state is not None:
                     self._init_steps = eager_init_steps(self.net)
@@ -394,6 +417,8 @@ class CausalLM(pl.LightningModule):
             for net in nets:
                 parallelize(net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None, compiled)
             for part in self._pipeline.parts if self._pipeline is not None else ():
+                if self.device_mesh["tensor_parallel"].size() > 1:
+                    part.sequence_mesh = self.device_mesh["tensor_parallel"]
                 apply_fsdp_stage(part, self.device_mesh, torch.bfloat16 if bf16 else None)
         else:
             if checkpointing:

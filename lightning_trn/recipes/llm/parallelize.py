@@ -37,19 +37,19 @@ def parallelize(
     return net
 
 
-def refuse_stages_with(stages: int, tensor_parallel_size: int = 1, lora: bool = False) -> None:
-    """Refuse, with what to do instead, what the recipe's pipeline stages do not run: tensor parallel inside the
-    stages (the plan keeps the hidden states between decoder layers as sequence-split DTensors, and the vocabulary-
-    split loss's backward runs inside torch's schedule, where `loss_parallel` is not proven: the conformance sweep's
-    pipeline x TP cells of the Hugging Face families) and LoRA adapters (not in the sweep)."""
-    if stages == 1 or (tensor_parallel_size == 1 and not lora):
+def refuse_stages_with(stages: int, tied_tensor_parallel: bool = False, lora: bool = False) -> None:
+    """Refuse, with what to do instead, what the recipe's pipeline stages do not run: LoRA adapters, and an output
+    head tied to the embedding (`tie_word_embeddings`) under tensor parallel, whose copies on the first and last
+    stage the conformance sweep has not proven equal (docs/sharding.md, "Conformance")."""
+    if stages == 1 or not (tied_tensor_parallel or lora):
         return
-    key, value = ("lora.r", "set") if lora else ("tensor_parallel_size", tensor_parallel_size)
+    what = "model.lora.r set" if lora else "model.tensor_parallel_size > 1 and a pretrained folder that ties its head"
     raise ValueError(
-        f"model.pipeline_parallel_size={stages} does not run with model.{key}={value}: the recipe's pipeline stages "
-        "take FSDP2 (and HSDP) within each stage, from scratch or from a pretrained folder, without LoRA. Use "
-        "model.pipeline_parallel_size=1 for tensor parallel or LoRA, or drop the setting to keep the stages "
-        '(docs/sharding.md, "Conformance", lists what each layout runs).'
+        f"model.pipeline_parallel_size={stages} does not run with {what}: the recipe's pipeline stages take FSDP2, "
+        "HSDP and tensor parallel within each stage, from scratch or from a pretrained folder, without LoRA, and "
+        "tie the head to the embedding across stages without tensor parallel only. Use "
+        "model.pipeline_parallel_size=1 for LoRA, or model.tensor_parallel_size=1 with stages for a tied folder "
+        "(docs/sharding.md, \"Conformance\", lists what each layout runs)."
     )
 
 
