@@ -43,6 +43,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from model_parallel_train import LENGTH, VOCAB, WIDTH, Block
+from pipeline_train import PipeNet
+
 import lightning_trn
 from lightning_trn import NeuronModelParallelStrategy
 from tests.conformance_parallel import EVENTS, LAYOUTS, Cell
@@ -50,9 +53,9 @@ from tests.conformance_parallel import EVENTS, LAYOUTS, Cell
 SEED = 1234
 #: what a refusal raises (on every rank, before the cell's first batch); anything else ends the job
 REFUSALS = (ValueError, NotImplementedError)
-#: optimizer steps the current cell has run (a refusal comes before the first update)
+#: optimizer steps the current cell has run (a refusal comes before the first update; of `predict`, before it runs)
 STEPS_RUN = [0]
-VOCAB, WIDTH, LENGTH, LAYERS = 64, 32, 12, 4
+LAYERS = 4  # pipeline_train.PipeNet's too: 2 stages x 2 per rank
 GLOBAL_BATCH = 8
 LR = 0.01
 
@@ -70,36 +73,11 @@ class Tokens(Dataset):
         return index, self.tokens[index]
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.w1 = nn.Linear(WIDTH, 4 * WIDTH)
-        self.w2 = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(F.gelu(self.w1(self.norm(x))))
-
-
-class UserNet(nn.Module):
-    """The module docs/sharding.md shows: embedding, a ModuleList of blocks, norm, head; the forward skips what a
-    stage lacks."""
+class UserNet(PipeNet):
+    """The module docs/sharding.md shows (tests/scripts/pipeline_train.py's): embedding, a ModuleList of blocks,
+    norm, head; the forward skips what a stage lacks."""
 
     layers = "blocks"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(x) if self.embedding is not None else x
-        for block in self.blocks:
-            x = block(x)
-        x = self.norm(x) if self.norm is not None else x
-        return self.head(x) if self.head is not None else x
 
     def tensor_parallel(self, mesh: Any) -> None:
         plan = {}
@@ -384,6 +362,7 @@ def run_cell(cell: Cell, accelerator: str, dtype: torch.dtype, out: Path) -> dic
         run = trainer()
         run.fit(module, train, val)
         if event.get("predict"):
+            STEPS_RUN[0] = 0  # a refusal of `predict` comes before its first batch
             run.predict(module, loader(Tokens(GLOBAL_BATCH), cell, accelerator, GLOBAL_BATCH // 2, shuffle=False))
             for outputs in run.predict_loop.predictions or []:
                 module.record["predictions"].update(outputs)

@@ -173,7 +173,8 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip by the norm of all gradients together, DTensor gradients (FSDP2, tensor parallel) whatever their
-        meshes (`lightning_trn.core.parallel.gradients`)."""
+        meshes (`lightning_trn.core.parallel.gradients`), once they are reduced for the step (`reduce_gradients`)."""
+        self._reduce_for_step(optimizer)
         self.precision.unscale_gradients(optimizer)
         return clip_grad_norm_(
             self.precision.main_params(optimizer),
@@ -182,6 +183,12 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
             error_if_nonfinite,
             scope=getattr(self.precision, "gradient_norm_scope", None),
         )
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clip each gradient once it is reduced for the step (`reduce_gradients`)."""
+        self._reduce_for_step(optimizer)
+        super().clip_gradients_value(module, optimizer, clip_val)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

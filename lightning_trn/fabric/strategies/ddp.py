@@ -85,12 +85,6 @@ class NeuronDDPStrategy(DataParallelCore, NeuronFabricStrategyBase, ParallelStra
         return sharding.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite)
 
     @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        """Clip the gradients averaged over the ranks (ZeRO-1: this rank's chunks of them)."""
-        self._reduce_for_step(optimizer)
-        return super().clip_gradients_value(module, optimizer, clip_val)
-
-    @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """What `fabric.save` writes of `optimizer`: with ZeRO-1 its chunks gathered to rank 0 here (a collective on
         every rank, `lightning_trn.core.parallel.zero1.optimizer_state`)."""

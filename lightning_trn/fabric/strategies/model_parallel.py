@@ -161,23 +161,6 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
             check_tensor_parallel_gradients(self._module, self.device_mesh)
             self._checked_tensor_parallel = True
 
-    @override
-    def clip_gradients_norm(
-        self,
-        module: Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        self._reduce_for_step(optimizer)
-        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-
-    @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self._reduce_for_step(optimizer)
-        super().clip_gradients_value(module, optimizer, clip_val)
-
     def _parallelize_and_materialize(self, module: Module, device_mesh: Any) -> Module:
         """The user's `parallelize_fn` on the module's meta twin, then each rank's shards (and what `parallelize_fn`
         left unsharded) go to the device: the values the module was built with on the host, or for a module built on

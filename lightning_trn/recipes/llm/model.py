@@ -418,7 +418,7 @@ class CausalLM(pl.LightningModule):
                 parallelize(net, self.device_mesh, checkpointing, torch.bfloat16 if bf16 else None, compiled)
             for part in self._pipeline.parts if self._pipeline is not None else ():
                 if self.device_mesh["tensor_parallel"].size() > 1:
-                    part.sequence_mesh = self.device_mesh["tensor_parallel"]
+                    cast(StageLM, part).sequence_mesh = self.device_mesh["tensor_parallel"]
                 apply_fsdp_stage(part, self.device_mesh, torch.bfloat16 if bf16 else None)
         else:
             if checkpointing:

@@ -49,7 +49,7 @@ def refuse_stages_with(stages: int, tied_tensor_parallel: bool = False, lora: bo
         "HSDP and tensor parallel within each stage, from scratch or from a pretrained folder, without LoRA, and "
         "tie the head to the embedding across stages without tensor parallel only. Use "
         "model.pipeline_parallel_size=1 for LoRA, or model.tensor_parallel_size=1 with stages for a tied folder "
-        "(docs/sharding.md, \"Conformance\", lists what each layout runs)."
+        '(docs/sharding.md, "Conformance", lists what each layout runs).'
     )
 
 
