@@ -93,7 +93,8 @@ CORE: tuple[Cell, ...] = (
 
 #: the cells that must be refused (every other cell must equal one device): the recipe refuses a tied head under
 #: pipeline x tensor parallel (`lightning_trn.recipes.llm.parallelize.refuse_stages_with`), and ZBVZeroBubble does
-#: not evaluate (`Pipeline.eval` and `predict` refuse it: torch's V schedules run backward actions in `eval()`)
+#: not evaluate (`Pipeline.eval` and `predict` refuse it: torch's V schedules run backward actions in `eval()`), and a
+#: last batch that does not divide into the microbatches is refused before the first (`Pipelining.check_loader`)
 EXPECTED: dict[Cell, str] = {
     **{
         Cell(family, layout, event): "refused"
@@ -108,6 +109,8 @@ EXPECTED: dict[Cell, str] = {
         for layout in ("pp_zbv", "pp_zbv_fsdp2")
         for event in ("val_in_window", "predict")
     },
+    # 4 microbatches (2 ranks x 2 stages) and 2 data-parallel ranks: the last batch, 2 per rank, does not divide
+    **{Cell(family, "pp_zbv_fsdp2", "last_batch"): "refused" for family in FAMILIES},
 }
 
 ROOT = Path(__file__).resolve().parents[1]

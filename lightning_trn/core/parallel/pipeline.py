@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -607,6 +607,24 @@ class Pipelining:
             if held and group is not None:
                 counted = stage_rank(self.schedule, min(holders), self.size, self.stages_per_rank) == pipeline_rank
                 self._ties.append((group, held, counted))
+
+    def check_loader(self, loader: Any) -> None:
+        """Refuse, before the first batch, a training loader whose batches do not all divide into the microbatches
+        (a smaller last batch included): found at its step, it would stop a run that has trained already. Loaders
+        without a length or batch size (iterable datasets) are left to the step's own check."""
+        batch_size, sampler = getattr(loader, "batch_size", None), getattr(loader, "sampler", None)
+        if self.size == 1 or not isinstance(batch_size, int) or not isinstance(sampler, Sized):
+            return
+        last = len(sampler) % batch_size if not getattr(loader, "drop_last", False) else 0
+        sizes = sorted(size for size in {batch_size, last} if size and size % self.microbatches)
+        if sizes:
+            raise ValueError(
+                f"A pipeline step splits each batch into {self.microbatches} microbatches; this rank's training "
+                f"loader gives batches of {' and '.join(map(str, sizes))} samples (batch_size={batch_size}, "
+                f"{len(sampler)} samples per rank{', the last batch smaller' if last else ''}). Make every per-rank "
+                "batch a multiple of the microbatches (`pipeline_microbatches` of the strategy), or drop the "
+                "smaller last batch (`DataLoader(..., drop_last=True)`)."
+            )
 
     def take_backward(self) -> bool:
         """Whether the last `Pipeline.step` ran the backward of the batch (once: the flag is cleared)."""

@@ -155,6 +155,14 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         return self._pipelining.split(model, loss_fn, layers, loss_scale=lambda: 1.0 / accumulation)
 
     @override
+    def on_train_start(self) -> None:
+        """The training loader's batches are checked to divide into the pipeline's microbatches before the first
+        (`Pipelining.check_loader`)."""
+        super().on_train_start()
+        assert self.lightning_module is not None
+        self._pipelining.check_loader(self.lightning_module.trainer.train_dataloader)
+
+    @override
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         """Once the step's gradients are complete, before clipping: the copies of a weight tied across pipeline
         stages take their summed gradient (`Pipelining.reduce_tied_gradients`); at the first step, whole
