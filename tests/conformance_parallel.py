@@ -3,7 +3,7 @@ device, within the tolerance `tests/tolerance.py` derives from the reference's o
 before its first update with a paragraph that says what is unsupported. Never a third outcome.
 
     python -m tests.conformance_parallel                 # the whole table (about an hour on 2 cores)
-    python -m tests.conformance_parallel --core          # the cells CI runs (tests/strategies/test_parallel_conformance.py)
+    python -m tests.conformance_parallel --core          # the cells CI runs (test_parallel_conformance.py)
     python -m tests.conformance_parallel --families qwen3 --layouts tp pp_1f1b --events accumulate
 
 Each layout runs as one job of its ranks on the stand-in (`tests/scripts/conformance_worker.py`), all of the layout's

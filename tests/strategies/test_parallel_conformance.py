@@ -14,7 +14,9 @@ import pytest
 
 from tests.conformance_parallel import CORE, EXPECTED, Cell, sweep
 
-pytestmark = [pytest.mark.native_only, pytest.mark.slow, pytest.mark.numerics]
+# not `numerics`: the sweep runs its references under a second kernel set itself (their spread is part of each
+# cell's bound), so a second pass of the module under another capability would repeat that
+pytestmark = [pytest.mark.native_only, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
