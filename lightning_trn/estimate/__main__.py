@@ -134,6 +134,7 @@ def _plan(recipe: Any, overrides: list[str], cfg: Any, platform: str | None, opt
             f"model.tensor_parallel_size={size}",
             f"model.activation_checkpointing={str(checkpointing).lower()}",
             f"data.batch_size={micro_batch}",
+            "data.global_batch_size=null",  # the plan varies the batch per rank; a preset fixes the global one
         ]
         each = load_config(recipe, [*overrides, *layout])
         trainer_args = cast(dict[str, Any], OmegaConf.to_container(each.trainer, resolve=True))

@@ -105,12 +105,20 @@ _PIPELINE_ADVICE = {
     RECIPE: (
         "activations dominate: split each batch into more, smaller microbatches (model.pipeline_microbatches), use "
         "model.pipeline_schedule=1F1B if it is GPipe (GPipe holds every microbatch's activations), or turn on "
-        "activation checkpointing (model.activation_checkpointing=true)"
+        "activation checkpointing (model.activation_checkpointing=true)",
+        "temporaries dominate: under FSDP2 a stage keeps its layers gathered and their gradients unsharded (in "
+        "float32) from the first microbatch to the step's end, so that it gathers and reduces once per step "
+        "(TorchTitan's layout); fewer layers per stage (more stages: model.pipeline_parallel_size) or more tensor "
+        "parallelism (model.tensor_parallel_size) divide them",
     ),
     API: (
         "activations dominate: split each batch into more, smaller microbatches (NeuronModelParallelStrategy("
         "pipeline_microbatches=...)), use pipeline_schedule='1F1B' if it is GPipe (GPipe holds every microbatch's "
-        "activations), or checkpoint the blocks' activations in configure_model"
+        "activations), or checkpoint the blocks' activations in configure_model",
+        "temporaries dominate: under FSDP2 a stage keeps its layers gathered and their gradients unsharded (in "
+        "float32) from the first microbatch to the step's end, so that it gathers and reduces once per step "
+        "(TorchTitan's layout); fewer layers per stage (NeuronModelParallelStrategy(pipeline_parallel_size=...)) or "
+        "more tensor parallelism (tensor_parallel_size=...) divide them",
     ),
 }
 
@@ -266,7 +274,8 @@ class Estimate:
         over = (self.needed - self.capacity) / _GIB
         activations, state = _ADVICE[self.caller]
         if self.pipeline is not None:
-            activations = _PIPELINE_ADVICE[self.caller]
+            activations, temporaries = _PIPELINE_ADVICE[self.caller]
+            activations = temporaries if worst.temporaries > worst.activations else activations
         dominated = worst.activations + worst.temporaries >= worst.parameters + worst.gradients + worst.optimizer_state
         return f"does not fit: {over:.2f} GiB over; {activations if dominated else state}."
 

@@ -118,6 +118,8 @@ S3_CHECKPOINT_HOOKS: tuple[Hook, ...] = (
 #: `simulation_torch_tested()` is False
 SIMULATION_HOOKS: tuple[Hook, ...] = (
     Hook(DeviceMesh, "__init__", simulation.on_real_tensors),
+    Hook(DeviceMesh, "__eq__", simulation.mesh_equal_with_groups),
+    Hook(DeviceMesh, "__hash__", simulation.mesh_hash_with_groups),
     Hook(_utils, "compute_local_shape_and_global_offset", simulation.on_real_tensors),
     Hook(torch.utils, "swap_tensors", simulation.swap_unless_unchanged),
     Hook(_sharding_prop, "detect_fake_mode", simulation.own_propagation_mode),

@@ -11,6 +11,9 @@ simulates a job (`registry.SIMULATION_HOOKS`, installed for one simulation only)
   vocabulary's log-softmax and its input under loss parallelism: +12 % on the checkpointed test model's peak; the
   unsharded parameters' optimizer state in the first step). It gets a fake mode of its own, as it does in a real
   run, where it allocates no device memory; the tracker skips that mode's tensors;
+- device meshes compare equal across simulated ranks (torch compares the layout, not the rank's coordinates), so
+  DTensor's caches would hand a later rank the earlier one's mesh and its destroyed process groups: meshes also
+  compare their groups' names;
 - groups asked for with the gloo backend (the strategies' host group) are fake as well, since a real gloo group
   needs its peers;
 - a broadcast of host objects leaves each rank its own (on a rank other than the source the fake group would leave
@@ -46,6 +49,35 @@ def on_real_tensors(function: Callable[..., Any] | None) -> Callable[..., Any] |
             return function(*args, **kwargs)
 
     return wrapper
+
+
+def mesh_equal_with_groups(eq: Callable[[Any, object], bool] | None) -> Callable[[Any, object], bool] | None:
+    """`DeviceMesh.__eq__` that also compares the meshes' process-group names. torch's compares the layout and the
+    whole rank map, not which coordinates the current rank has, so the meshes of two simulated ranks are equal while
+    the first rank's groups were destroyed with its fake process group; DTensor's sharding-propagation caches, keyed
+    by meshes, would then hand the next rank tensors on those groups ("Could not resolve the process group": the
+    second stage of a pipeline x tensor-parallel job). Meshes on groups of the same names are interchangeable."""
+    if eq is None:
+        return None
+
+    @functools.wraps(eq)
+    def equal(mesh: Any, other: object) -> bool:
+        groups = getattr(mesh, "_dim_group_names", None), getattr(other, "_dim_group_names", None)
+        return eq(mesh, other) and (mesh is other or groups[0] == groups[1])
+
+    return equal
+
+
+def mesh_hash_with_groups(hash_: Callable[[Any], int] | None) -> Callable[[Any], int] | None:
+    """`DeviceMesh.__hash__` consistent with `mesh_equal_with_groups` (torch's hash, with the group names)."""
+    if hash_ is None:
+        return None
+
+    @functools.wraps(hash_)
+    def hashed(mesh: Any) -> int:
+        return hash((hash_(mesh), tuple(getattr(mesh, "_dim_group_names", ()))))
+
+    return hashed
 
 
 def swap_unless_unchanged(swap: Callable[[torch.Tensor, torch.Tensor], None] | None) -> Callable[..., None] | None:

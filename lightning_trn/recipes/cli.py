@@ -129,6 +129,8 @@ def load_config(recipe: Recipe, overrides: Sequence[str] = ()) -> DictConfig:
             raise problem(key, given.get(key, value), _EXPECTED[float])
         if check is not None and not check[0](value):
             raise problem(key, given.get(key, value), f"a value {check[1]}")
+    if recipe.resolve is not None:
+        recipe.resolve(cfg, set(given))
     return cfg
 
 

@@ -87,7 +87,8 @@ class Recipe:
     and items (e.g. tokens) for `ThroughputMonitor`; `trainer_args` returns Trainer arguments derived from the
     config (e.g. a strategy object) that replace `cfg.trainer`'s; `summary` returns numbers measured after `fit`,
     printed and returned with the test metrics; `presets` are named override lists for `preset=NAME` (the schema
-    then has a `preset: str` key, default `none`).
+    then has a `preset: str` key, default `none`); `resolve(cfg, given)` fills the keys derived from others once the
+    config is loaded (`given`: the keys the preset and the command line set), raising ValueError on a conflict.
     """
 
     name: str
@@ -101,6 +102,7 @@ class Recipe:
     trainer_args: Callable[[DictConfig], dict[str, Any]] | None = None
     summary: Callable[[pl.Trainer, pl.LightningModule, pl.LightningDataModule], dict[str, float]] | None = None
     presets: Mapping[str, Sequence[str]] = field(default_factory=dict, hash=False)
+    resolve: Callable[[DictConfig, set[str]], None] | None = None
 
     @property
     def config_path(self) -> Path:

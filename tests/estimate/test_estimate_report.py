@@ -139,6 +139,18 @@ def test_a_pipeline_report_has_a_row_per_stage_the_bubble_and_the_transfers() ->
     assert lines[-1] == "peak device memory per rank: 30.00 GiB of 24.00 GiB"
 
 
+def test_a_pipeline_whose_temporaries_dominate_is_told_to_divide_its_stages_layers() -> None:
+    """Under pipeline x FSDP2 a stage's gathered layers and float32 gradients stay from the first microbatch to the
+    step's end: more microbatches do not lower them, more stages or tensor parallelism do."""
+    result = _staged({0: 2 * GIB, 16: 3 * GIB, 48: 30 * GIB}, 2**20, 4)
+    result.ranks = [RankMemory(48, GIB, 0, 2 * GIB, 3 * GIB, 24 * GIB, 30 * GIB)]
+    result.caller = "recipe"
+    assert "temporaries dominate" in result.advice() and "model.pipeline_parallel_size" in result.advice()
+    assert "model.pipeline_microbatches" not in result.advice()
+    result.ranks = [RankMemory(48, GIB, 0, 2 * GIB, 24 * GIB, 3 * GIB, 30 * GIB)]
+    assert "activations dominate" in result.advice() and "model.pipeline_microbatches" in result.advice()
+
+
 def test_a_report_without_stages_keeps_its_format() -> None:
     """No `stages` column, no bubble line, one collectives table for the job."""
     lines = _result(2 * GIB).format().splitlines()

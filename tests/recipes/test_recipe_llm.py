@@ -133,6 +133,32 @@ def test_presets_come_before_the_command_lines_overrides():
     assert cli.load_config(llm.RECIPE, []).model.hidden_size == 128
 
 
+def test_a_global_batch_is_kept_when_the_layout_changes():
+    """`data.global_batch_size` (the presets') gives the batch per data-parallel rank: pipeline stages and tensor
+    parallel leave fewer ranks, each with more sequences (which the stages split into microbatches)."""
+    batch = {}
+    for layout in (
+        [],
+        ["model.pipeline_parallel_size=4"],
+        ["model.replicate_size=4"],
+        ["model.tensor_parallel_size=8"],
+    ):
+        batch[" ".join(layout)] = cli.load_config(llm.RECIPE, ["preset=trn2-70b", *layout]).data.batch_size
+    # 256 ranks; tensor parallel 4: 64 data-parallel ranks; with 4 stages, 16; HSDP's replicas read their own
+    assert batch == {
+        "": 1,
+        "model.pipeline_parallel_size=4": 4,
+        "model.replicate_size=4": 1,
+        "model.tensor_parallel_size=8": 2,
+    }
+    assert cli.load_config(llm.RECIPE, ["preset=trn1-1b", "trainer.devices=8"]).data.batch_size == 128 // (8 * 4)
+    assert cli.load_config(llm.RECIPE, ["data.batch_size=3"]).data.batch_size == 3  # no global batch: as given
+    with pytest.raises(ValueError, match=re.escape("data.batch_size=2 and data.global_batch_size=64 are both set")):
+        cli.load_config(llm.RECIPE, ["preset=trn2-70b", "data.batch_size=2"])
+    with pytest.raises(ValueError, match=re.escape("does not divide into 64 data-parallel ranks")):
+        cli.load_config(llm.RECIPE, ["preset=trn2-70b", "data.global_batch_size=96"])
+
+
 def test_packed_blocks_have_one_shape_and_keep_every_token_but_the_tail():
     tokenizer = llm.train_tokenizer(DOCUMENTS, 300)
     documents = llm.encode_documents(tokenizer, DOCUMENTS)

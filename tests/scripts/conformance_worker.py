@@ -305,6 +305,36 @@ def loader(dataset: Dataset, cell: Cell, accelerator: str, batch: int, shuffle: 
     return DataLoader(dataset, batch_size=batch // ranks, shuffle=shuffle)
 
 
+class AdamInputs(pl.Callback):
+    """What AdamW was given at each step of a reference run (`--accelerator cpu`): every parameter's gradient, as the
+    optimizer saw it (accumulated, clipped), and its group's settings, by the state dict's names. The sweep derives
+    from them how much Adam amplifies each element's gradient rounding (`tests.tolerance.adam_allowance`)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        names: dict[int, list[str]] = {}
+        for name, parameter in pl_module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), []).append(name)
+
+        def record(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            gradients, settings = {}, {}
+            for group in optimizer.param_groups:
+                setting = (float(group["lr"]), *map(float, group["betas"]), float(group["eps"]))
+                setting += (float(group["weight_decay"]),)
+                for parameter in group["params"]:
+                    if parameter.grad is None:
+                        continue
+                    for name in names.get(id(parameter), ()):
+                        gradients[name] = parameter.grad.detach().to(torch.float64, copy=True)
+                        settings[name] = setting
+            self.steps.append({"gradients": gradients, "settings": settings})
+
+        optimizer.register_step_pre_hook(record)
+
+
 class StopAndSave(pl.Callback):
     """Saves a checkpoint after optimizer step `step` and stops the fit there (the `resume` event's interruption)."""
 
@@ -347,19 +377,20 @@ def run_cell(cell: Cell, accelerator: str, dtype: torch.dtype, out: Path) -> dic
         return pl.Trainer(**settings)
 
     module = build_module(cell, dtype, models)
+    adam = AdamInputs()
     train = loader(dataset, cell, accelerator, GLOBAL_BATCH)
     val = (
         loader(Tokens(GLOBAL_BATCH), cell, accelerator, GLOBAL_BATCH, shuffle=False) if event.get("validate") else None
     )
     if event.get("resume"):
         checkpoint = out / f"{cell.name}-{accelerator}-{dtype}.ckpt"
-        trainer(callbacks=[StopAndSave(checkpoint, event["steps"] // 2)]).fit(module, train, val)
+        trainer(callbacks=[StopAndSave(checkpoint, event["steps"] // 2), adam]).fit(module, train, val)
         losses = module.record["losses"]
         module = build_module(cell, dtype, models)
         module.record["losses"] = losses
-        trainer().fit(module, train, val, ckpt_path=checkpoint)
+        trainer(callbacks=[adam]).fit(module, train, val, ckpt_path=checkpoint)
     else:
-        run = trainer()
+        run = trainer(callbacks=[adam])
         run.fit(module, train, val)
         if event.get("predict"):
             STEPS_RUN[0] = 0  # a refusal of `predict` comes before its first batch
@@ -375,6 +406,8 @@ def run_cell(cell: Cell, accelerator: str, dtype: torch.dtype, out: Path) -> dic
         state = {name: value for part, _ in gathered for name, value in part.items()}
         record["predictions"] = {index: value for _, part in gathered for index, value in part.items()}
     record["weights"] = state
+    if accelerator == "cpu":
+        record["adam"] = adam.steps
     return record
 
 
@@ -425,7 +458,12 @@ def main() -> None:
         if rank == 0:
             weights = out / f"weights-{cell.name}{'-64' if args.float64 else ''}.pt"
             torch.save(record.pop("weights"), weights)
-            started |= {"weights": str(weights), **record}
+            started["weights"] = str(weights)
+            if "adam" in record:
+                adam = out / f"adam-{cell.name}{'-64' if args.float64 else ''}.pt"
+                torch.save(record.pop("adam"), adam)
+                started["adam"] = str(adam)
+            started |= record
             with (out / "cells.jsonl").open("a") as file:
                 file.write(json.dumps(started) + "\n")
     for child in children:

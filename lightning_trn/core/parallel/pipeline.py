@@ -38,6 +38,19 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 #: the schedules lightning_trn runs and tests (names of `torch.distributed.pipelining.schedules.get_schedule_class`)
 SCHEDULES = (*SINGLE_STAGE_SCHEDULES, "Interleaved1F1B", "ZBVZeroBubble")
 
+
+def refuse_evaluation(schedule: str | None) -> None:
+    """Refuse validation, testing and prediction under a V schedule, whose `eval()` torch runs with backward actions
+    (checked when a fit that validates starts, and at the first evaluation batch)."""
+    if schedule in V_SCHEDULES:
+        raise NotImplementedError(
+            f"pipeline_schedule={schedule!r} trains, but does not validate, test or predict: torch's V schedules run "
+            "their backward actions in `eval()` too (torch 2.13: \"can't steal_bwd_input if this stage doesn't have "
+            'backward"). Validate with another schedule (1F1B, Interleaved1F1B), or train with '
+            "`limit_val_batches=0` and evaluate the checkpoint on another layout (checkpoints resume on any)."
+        )
+
+
 LossFn = Callable[[Any, Any], Tensor]
 
 
@@ -269,14 +282,8 @@ class Pipeline:
         their first batch (a smaller last batch would be received into the first one's buffers), and re-infer them,
         clearing the FSDP modules' gradients, whenever one schedule switches between `step` and `eval`."""
         assert self._build is not None
-        if kind != "train" and self.schedule in V_SCHEDULES:
-            raise NotImplementedError(
-                f"pipeline_schedule={self.schedule!r} trains, but does not validate, test or predict: torch's "
-                "V schedules run their backward actions in `eval()` too (torch 2.13: \"can't steal_bwd_input if this "
-                "stage doesn't have backward\"). Validate with another schedule (1F1B, Interleaved1F1B), or train "
-                "with `limit_val_batches=0` and evaluate the checkpoint on another layout (checkpoints resume on "
-                "any)."
-            )
+        if kind != "train":
+            refuse_evaluation(self.schedule)
         for input in inputs:
             if isinstance(input, Tensor) and input.shape[0] % self.microbatches:
                 raise ValueError(

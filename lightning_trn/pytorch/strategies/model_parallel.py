@@ -35,13 +35,19 @@ from lightning_trn.core.parallel.model_parallel import (
     setup_outer_mesh,
 )
 from lightning_trn.core.parallel.parallel_dims import ParallelDims
-from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, Pipelining
+from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, Pipelining, refuse_evaluation
 from lightning_trn.core.parallel.process_group import ProcessGroup
 from lightning_trn.pytorch.strategies.base import NeuronStrategyBase
 
 _BASE_STEPS = tuple(
     step for step in NeuronStrategyBase.setup_steps if step is not NeuronStrategyBase._checkpoint_activations
 )
+
+
+def _validates(trainer: pl.Trainer) -> bool:
+    """Whether this fit will validate: the fit loop has loaded its validation loaders at `on_train_start` when an
+    epoch checks validation, and the loop skips none but limits of 0 or no batches."""
+    return trainer.val_dataloaders is not None and not trainer.fit_loop.epoch_loop.val_loop.skip
 
 
 class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
@@ -156,11 +162,15 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """The training loader's batches are checked to divide into the pipeline's microbatches before the first
-        (`Pipelining.check_loader`)."""
+        """Before the first batch: the training loader's batches are checked to divide into the pipeline's
+        microbatches (`Pipelining.check_loader`), and a fit that will validate is refused under a V schedule
+        (`refuse_evaluation`), rather than at its first validation."""
         super().on_train_start()
         assert self.lightning_module is not None
-        self._pipelining.check_loader(self.lightning_module.trainer.train_dataloader)
+        trainer = self.lightning_module.trainer
+        self._pipelining.check_loader(trainer.train_dataloader)
+        if self.pipeline_parallel_size > 1 and _validates(trainer):
+            refuse_evaluation(self._pipelining.schedule)
 
     @override
     def reduce_gradients(self, optimizer: Optimizer) -> None:

@@ -240,6 +240,44 @@ def check_pipeline(cfg: DictConfig) -> None:
     refuse_stages_with(m.pipeline_parallel_size, lora=bool(m.lora.r))
 
 
+def data_parallel_ranks(cfg: DictConfig) -> int:
+    """The ranks that read different batches: all of them, less the tensor-parallel groups and pipeline stages under
+    `trainer.strategy=model_parallel` (HSDP replicas read different batches too)."""
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    if not isinstance(devices, int) or not isinstance(nodes, int):
+        raise ValueError(
+            f"data.global_batch_size={cfg.data.global_batch_size} needs trainer.devices and trainer.num_nodes as "
+            f"integers (here {devices!r} and {nodes!r}) to divide it over the data-parallel ranks; give them, or "
+            "data.global_batch_size=null with data.batch_size per rank."
+        )
+    m = cfg.model
+    if cfg.trainer.get("strategy", "auto") in _MODEL_PARALLEL:
+        return max(devices * nodes // (m.tensor_parallel_size * m.pipeline_parallel_size), 1)
+    return devices * nodes
+
+
+def resolve(cfg: DictConfig, given: set[str]) -> None:
+    """`data.batch_size` from `data.global_batch_size` where that is set: the global batch over the data-parallel
+    ranks and the accumulated batches (TorchTitan's rule), so a layout override (`model.pipeline_parallel_size=4`)
+    keeps a preset's sequences per step. Refused: both keys given, or a global batch that does not divide."""
+    total = cfg.data.global_batch_size
+    if total is None:
+        return
+    if "data.batch_size" in given:
+        raise ValueError(
+            f"data.batch_size={cfg.data.batch_size} and data.global_batch_size={total} are both set (a preset sets "
+            "the global one): give one. data.global_batch_size=null keeps data.batch_size per rank."
+        )
+    ranks, accumulate = data_parallel_ranks(cfg), cfg.trainer.get("accumulate_grad_batches", 1)
+    if not isinstance(accumulate, int) or total % (ranks * accumulate):
+        raise ValueError(
+            f"data.global_batch_size={total} does not divide into {ranks} data-parallel ranks x "
+            f"trainer.accumulate_grad_batches={accumulate!r}: choose a multiple of {ranks * accumulate} (or "
+            "data.global_batch_size=null with data.batch_size per rank)."
+        )
+    cfg.data.batch_size = total // (ranks * accumulate)
+
+
 def summary(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:
     """The last validation's perplexity and the unigram perplexity of the same tokens (printed after the run)."""
     if "val_ppl" not in trainer.callback_metrics:
@@ -261,4 +299,5 @@ RECIPE = Recipe(
     trainer_args=trainer_args,
     summary=summary,
     presets=PRESETS,
+    resolve=resolve,
 )

@@ -27,7 +27,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "trainer.log_every_n_steps=10",
         "data.vocab_size=32000",
         "data.seq_len=2048",
-        "data.batch_size=1",
+        "data.global_batch_size=128",
         "model.hidden_size=2048",
         "model.intermediate_size=5632",
         "model.num_layers=22",
@@ -53,7 +53,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "trainer.log_every_n_steps=10",
         "data.vocab_size=32000",
         "data.seq_len=4096",
-        "data.batch_size=1",
+        "data.global_batch_size=16",
         "model.hidden_size=4096",
         "model.intermediate_size=14336",
         "model.num_layers=32",
@@ -80,7 +80,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "trainer.log_every_n_steps=10",
         "data.vocab_size=128256",
         "data.seq_len=8192",
-        "data.batch_size=1",
+        "data.global_batch_size=64",
         "model.hidden_size=8192",
         "model.intermediate_size=28672",
         "model.num_layers=80",
@@ -125,7 +125,19 @@ class LlmData:
         " one row per block, cut and right-padded to this)",
         POSITIVE,
     )
-    batch_size: int = doc("blocks per batch and device; evaluation splits are padded to whole batches", POSITIVE)
+    batch_size: int = doc(
+        "blocks per batch and device (data-parallel rank); evaluation splits are padded to whole batches; derived"
+        " from global_batch_size where that is set",
+        POSITIVE,
+    )
+    global_batch_size: int | None = doc(
+        "blocks per optimizer step over all data-parallel ranks (TorchTitan's training.global_batch_size); set,"
+        " data.batch_size = global_batch_size / (data-parallel ranks x trainer.accumulate_grad_batches), so a"
+        " layout change keeps the step's blocks (pipeline stages and tensor parallel leave fewer data-parallel"
+        " ranks, each with a larger batch, which stages split into model.pipeline_microbatches); null: data.batch_size"
+        " as given (the presets set this)",
+        (lambda v: v is None or v > 0, "greater than 0 or null"),
+    )
     length_buckets: list[int] = doc(
         "fine-tuning rows only: a few lengths below seq_len (e.g. [256, 512, 1024]); each row is cut to the first"
         " that holds its labelled tokens and each batch has one of these lengths (or seq_len), so a compiled model"
@@ -178,8 +190,9 @@ class LlmModel:
     )
     pipeline_parallel_size: int = doc(
         "with trainer.strategy=model_parallel: pipeline stages, the decoder layers divided evenly over them (the"
-        " embedding with the first, the final norm and output projection with the last), FSDP2 within each stage;"
-        " not with tensor_parallel_size > 1 or model.pretrained; 1: no stages",
+        " embedding with the first, the final norm and output projection with the last), tensor parallel and"
+        " FSDP2/HSDP within each stage, from scratch or model.pretrained; not with LoRA, nor a pretrained head tied"
+        " to the embedding under tensor_parallel_size > 1; 1: no stages",
         POSITIVE,
     )
     pipeline_schedule: str = doc(
@@ -188,8 +201,8 @@ class LlmModel:
         (lambda v: v in SCHEDULES, f"{', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}"),
     )
     pipeline_microbatches: int | None = doc(
-        "with pipeline_parallel_size > 1: microbatches each batch is split into (data.batch_size a multiple of"
-        " it); null: the number of stages",
+        "with pipeline_parallel_size > 1: microbatches each batch is split into (data.batch_size, derived from"
+        " data.global_batch_size where set, a multiple of it); null: the number of stages",
         (lambda v: v is None or v > 0, "greater than 0 or null"),
     )
     lr: float = doc("AdamW peak learning rate", POSITIVE)
