@@ -456,6 +456,9 @@ def simulate_rank(
             "optimizer step; pass a positive int."
         )
     world_size = devices * nodes
+    # fake tensors' dispatch cache is torch's, for all modes: its keys hold a device without its index ("neuron", as
+    # DTensor's sharding propagation asks), so an earlier simulated rank's outputs on its own device would come back
+    FakeTensorMode.cache_clear()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     result: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
