@@ -1,6 +1,6 @@
 """`python -m lightning_trn.recipes.llm model.pretrained=DIR data.source=FILE.jsonl` sharded on two stand-in devices:
 built on the meta device, parallelized (FSDP2 over 2; tensor parallel over 2, with the folder's tied embedding and
-LM head tied again), then filled from the folder, each rank reading its blocks. Proven by equality with the
+LM head tied again; two pipeline stages), then filled from the folder, each rank reading its blocks. Proven by equality with the
 one-device run (in this process): the same losses from the first step (the loaded weights) to the last."""
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ def test_sharded_fine_tuning_from_a_folder_matches_one_device(tmp_path: Path) ->
             "model.tensor_parallel_size=2",
             "trainer.use_distributed_sampler=false",
         ],
+        # two stages, the tied embedding and head on either end: each microbatch's loss is its share of the batch's
+        # predicted tokens (prompt and padding are not predicted, and fall unevenly between the microbatches)
+        "pp2": [
+            "trainer.devices=2",
+            "trainer.strategy=model_parallel",
+            "model.pipeline_parallel_size=2",
+            "trainer.use_distributed_sampler=false",
+        ],
     }
     env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
     losses = {"single": _train_losses(tmp_path / "single")}
@@ -67,3 +75,4 @@ def test_sharded_fine_tuning_from_a_folder_matches_one_device(tmp_path: Path) ->
     error = losses_error(losses["single"], _train_losses(tmp_path / "single64"))
     assert_losses_match(losses["fsdp2"], losses["single"], error, what="fsdp2 losses")
     assert_losses_match(losses["tp2"], losses["single"], error, what="tp2 losses")
+    assert_losses_match(losses["pp2"], losses["single"], error, what="pp2 losses")

@@ -67,6 +67,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # backend, FSDP2 over all 64 x tensor parallel over 4 (one chip) + activation checkpointing: 11.53 GiB needed per
     # core. Not HSDP across the nodes (`model.replicate_size=4`, re-planned with the estimator, docs/recipes.md): it
     # keeps all but the gradients' all-reduce within a node but needs 21.87 GiB, over the 10 % headroom (21.6 GiB).
+    # Nor pipeline stages over the nodes with tensor parallel 4 inside (`model.pipeline_parallel_size=4/8/16`: 37.90,
+    # 26.57, 21.96 GiB, the last with a 48 % bubble at this global batch; docs/recipes.md).
     "trn2-70b": (
         "trainer.devices=64",
         "trainer.num_nodes=4",

@@ -273,6 +273,8 @@ class CausalLM(pl.LightningModule):
         self._dense_parameters: int | None = None
         #: the pipeline stages this rank runs (`model.pipeline_parallel_size` > 1, `configure_model`), else None
         self._pipeline: Pipeline | None = None
+        #: with pipeline stages, the predicted tokens of the batch the schedule runs (`_stage_loss` divides by them)
+        self._batch_tokens: torch.Tensor | None = None
         #: inside `_loss_parallel` (it is entered once)
         self._in_loss_parallel = False
         #: with stages and meta_init: the whole model's initialization, taken before the split (`materialization_steps`)
@@ -316,19 +318,20 @@ class CausalLM(pl.LightningModule):
         return total
 
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The pipeline's loss of a microbatch, on the last stage: its summed cross-entropy over its predicted
-        positions, padding rows included. Microbatches have equal positions, so the pipeline's mean over them is the
-        batch's token mean where nothing is padding (training), and that mean times the batch's positions is its
-        summed loss (evaluation, `loss_sum`)."""
-        return self._summed_cross_entropy(logits, labels) / labels[:, 1:].numel()
+        """The pipeline's loss of a microbatch, on the last stage: its summed cross-entropy over its predicted tokens
+        divided by the whole batch's predicted tokens (`_batch_tokens`, set by the step) over the microbatches. The
+        pipeline's mean over the microbatches is then the batch's token mean, as one device's `total / count`, however
+        the predicted tokens fall between the microbatches (fine-tuning rows: prompt and padding are not predicted)."""
+        assert self._pipeline is not None and self._batch_tokens is not None
+        return self._summed_cross_entropy(logits, labels) * self._pipeline.microbatches / self._batch_tokens
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy of every predicted token (`_summed_cross_entropy`) and their count, both on the
         device; with pipeline stages, from the forward-only schedule's loss (`_stage_loss`), on every rank."""
-        targets = batch["labels"][:, 1:]
-        count = (targets != IGNORE_INDEX).sum()
+        count = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         if self._pipeline is not None:
-            return self._pipeline.eval(batch["input_ids"], target=batch["labels"]) * targets.numel(), count
+            self._batch_tokens = count
+            return self._pipeline.eval(batch["input_ids"], target=batch["labels"]) * count, count
         return self._summed_cross_entropy(self(batch["input_ids"]), batch["labels"]), count
 
     @override
@@ -342,6 +345,7 @@ class CausalLM(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self._pipeline is not None:  # the schedule ran the backward too; the last stage's loss, on every rank
+            self._batch_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
             with self._loss_parallel():  # around the schedule, which runs the loss's backward
                 loss = self._pipeline.step(batch["input_ids"], target=batch["labels"])
         else:
