@@ -1,7 +1,8 @@
 """`python -m lightning_trn.recipes.llm model.pretrained=DIR data.source=FILE.jsonl` sharded on two stand-in devices:
 built on the meta device, parallelized (FSDP2 over 2; tensor parallel over 2, with the folder's tied embedding and
-LM head tied again; two pipeline stages), then filled from the folder, each rank reading its blocks. Proven by equality with the
-one-device run (in this process): the same losses from the first step (the loaded weights) to the last."""
+LM head tied again; two pipeline stages), then filled from the folder, each rank reading its blocks. Proven by
+equality with the one-device run (in this process): the same losses from the first step (the loaded weights) to the
+last."""
 
 from __future__ import annotations
 
