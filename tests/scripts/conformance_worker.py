@@ -441,6 +441,8 @@ def main() -> None:
     for cell in cells:
         started: dict[str, Any] = {"cell": list(cell)}
         STEPS_RUN[0] = 0
+        # each cell stands for a run of its own: no compiled graph (or recompile count) carried over from the last
+        torch._dynamo.reset()
         try:
             record = run_cell(cell, args.accelerator, dtype, out)
         except Exception as error:  # noqa: BLE001  a refusal, or a failure: the sweep tells them apart
