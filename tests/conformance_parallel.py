@@ -9,8 +9,10 @@ before its first update with a paragraph that says what is unsupported. Never a 
 Each layout runs as one job of its ranks on the stand-in (`tests/scripts/conformance_worker.py`), all of the layout's
 cells one after another; the references run in one process on the CPU, in float32, in float64 and in float32 under
 another kernel set (`ATEN_CPU_CAPABILITY`): the bound is 4 x the larger of the reference's float64 error and that
-spread, since a layout sums in another order too (Adam turns a rounding difference in a near-zero gradient into a
-difference of up to the learning rate, element by element; one element can dominate). A job that dies
+spread, since a layout sums in another order too. Adam turns a rounding difference in a near-zero gradient into a
+difference of up to the learning rate, element by element, so weights are compared beyond 4 x each element's Adam
+allowance, derived from the references' recorded gradients and AdamW settings (`tests.tolerance.adam_allowance`).
+A job that dies
 leaves its finished cells; the first unfinished one is the failing cell, and the rest run again in a new job. The
 table is printed as markdown (docs/sharding.md, "Conformance") and written to `--out/table.md` with every cell's
 ratio to its bound.
