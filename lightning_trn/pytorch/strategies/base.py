@@ -7,7 +7,6 @@ lists each strategy's steps.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import os
@@ -52,15 +51,19 @@ else:
 log = logging.getLogger(__name__)
 
 
-class _Resuming(enum.Enum):
-    """`_resume_random_state` when the run does not resume a training checkpoint: an Enum member, because a strategy
-    may be deep-copied (the estimator copies one per simulated rank) and a copied `object()` sentinel would read as a
-    checkpoint's random state ("a format this version does not read")."""
+class _NotResuming:
+    """`_resume_random_state` when the run does not resume a training checkpoint. It copies as itself, because a
+    strategy may be deep-copied (the estimator copies one per simulated rank) and a copied `object()` sentinel would
+    read as a checkpoint's random state ("a format this version does not read")."""
 
-    NOT_RESUMING = "not resuming"
+    def __copy__(self) -> _NotResuming:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _NotResuming:
+        return self
 
 
-_NOT_RESUMING = _Resuming.NOT_RESUMING
+_NOT_RESUMING = _NotResuming()
 
 #: LightningModule / LightningDataModule hooks that may change a batch on its way to the device
 _BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
