@@ -377,20 +377,21 @@ def run_cell(cell: Cell, accelerator: str, dtype: torch.dtype, out: Path) -> dic
         return pl.Trainer(**settings)
 
     module = build_module(cell, dtype, models)
-    adam = AdamInputs()
+    adam = AdamInputs()  # a reference's optimizer inputs (`--accelerator cpu`); a layout's are not compared
+    recorded = [adam] if accelerator == "cpu" else []
     train = loader(dataset, cell, accelerator, GLOBAL_BATCH)
     val = (
         loader(Tokens(GLOBAL_BATCH), cell, accelerator, GLOBAL_BATCH, shuffle=False) if event.get("validate") else None
     )
     if event.get("resume"):
         checkpoint = out / f"{cell.name}-{accelerator}-{dtype}.ckpt"
-        trainer(callbacks=[StopAndSave(checkpoint, event["steps"] // 2), adam]).fit(module, train, val)
+        trainer(callbacks=[StopAndSave(checkpoint, event["steps"] // 2), *recorded]).fit(module, train, val)
         losses = module.record["losses"]
         module = build_module(cell, dtype, models)
         module.record["losses"] = losses
-        trainer(callbacks=[adam]).fit(module, train, val, ckpt_path=checkpoint)
+        trainer(callbacks=recorded).fit(module, train, val, ckpt_path=checkpoint)
     else:
-        run = trainer(callbacks=[adam])
+        run = trainer(callbacks=recorded)
         run.fit(module, train, val)
         if event.get("predict"):
             STEPS_RUN[0] = 0  # a refusal of `predict` comes before its first batch

@@ -200,7 +200,7 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
                 f"num_nodes divisible by model.tensor_parallel_size={tp} x model.replicate_size={replicas}"
                 + (f" x model.pipeline_parallel_size={stages}." if stages > 1 else ".")
             )
-        data = devices * nodes // (tp * replicas * stages)
+        data = data_parallel_ranks(cfg) // replicas  # FSDP2's ranks within a replica
         if replicas == 1 and stages == 1:
             return {"strategy": ModelParallelStrategy(data_parallel_size=data, tensor_parallel_size=tp)}
         from lightning_trn import NeuronModelParallelStrategy
@@ -242,7 +242,8 @@ def check_pipeline(cfg: DictConfig) -> None:
 
 def data_parallel_ranks(cfg: DictConfig) -> int:
     """The ranks that read different batches: all of them, less the tensor-parallel groups and pipeline stages under
-    `trainer.strategy=model_parallel` (HSDP replicas read different batches too)."""
+    `trainer.strategy=model_parallel` (HSDP replicas read different batches too): `data.global_batch_size` is divided
+    over them, and `trainer_args` divides them into the replicas' FSDP2 groups."""
     devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
     if not isinstance(devices, int) or not isinstance(nodes, int):
         raise ValueError(

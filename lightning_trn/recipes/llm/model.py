@@ -317,6 +317,12 @@ class CausalLM(pl.LightningModule):
             total = total.full_tensor()
         return total
 
+    @staticmethod
+    def _predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
+        """How many tokens of the batch the loss covers (labels shifted by one, `IGNORE_INDEX` skipped), on the
+        device."""
+        return (labels[:, 1:] != IGNORE_INDEX).sum()
+
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The pipeline's loss of a microbatch, on the last stage: its summed cross-entropy over its predicted tokens
         divided by the whole batch's predicted tokens (`_batch_tokens`, set by the step) over the microbatches. The
@@ -328,7 +334,7 @@ class CausalLM(pl.LightningModule):
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy of every predicted token (`_summed_cross_entropy`) and their count, both on the
         device; with pipeline stages, from the forward-only schedule's loss (`_stage_loss`), on every rank."""
-        count = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+        count = self._predicted_tokens(batch["labels"])
         if self._pipeline is not None:
             self._batch_tokens = count
             return self._pipeline.eval(batch["input_ids"], target=batch["labels"]) * count, count
@@ -345,7 +351,7 @@ class CausalLM(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self._pipeline is not None:  # the schedule ran the backward too; the last stage's loss, on every rank
-            self._batch_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+            self._batch_tokens = self._predicted_tokens(batch["labels"])
             with self._loss_parallel():  # around the schedule, which runs the loss's backward
                 loss = self._pipeline.step(batch["input_ids"], target=batch["labels"])
         else:
