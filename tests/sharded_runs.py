@@ -126,10 +126,11 @@ def assert_checkpoints_match_reference(ckpts: Path, reference: Path) -> dict[str
     return steps
 
 
-def kill_inside_a_save(out: Path, reference: Path, kind: str, kill: str) -> dict[str, int]:
-    """Run the `kind` job until its SIGKILL at `kill` (`<save>:<rank>:<point>`, see the worker script); check what it
-    left against the uninterrupted run (`assert_checkpoints_match_reference`); returns each checkpoint's step."""
-    ckpts = run_job(out, kind, "--kill", kill, killed=True)
+def kill_inside_a_save(out: Path, reference: Path, kind: str, kill: str, *args: str) -> dict[str, int]:
+    """Run the `kind` job (with the worker's `args`) until its SIGKILL at `kill` (`<save>:<rank>:<point>`, see the
+    worker script); check what it left against the uninterrupted run (`assert_checkpoints_match_reference`); returns
+    each checkpoint's step."""
+    ckpts = run_job(out, kind, "--kill", kill, *args, killed=True)
     return assert_checkpoints_match_reference(ckpts, reference)
 
 

@@ -4,11 +4,11 @@ module without untying its weights, and the device prefetcher."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,11 +21,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.checkpoint import s3_checkpoint
-from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
 from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.checkpointer import Checkpointer, CheckpointLayout
+from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_FILE
 from lightning_trn.core.checkpoint.random_state import (
-    RANDOM_STATE_VERSION,
+    RANDOM_STATE_KEY,
     base_device_seed,
     host_states,
     not_exact_notice,
@@ -33,8 +33,6 @@ from lightning_trn.core.checkpoint.random_state import (
     set_host_states,
     step_seed,
 )
-from lightning_trn.core.checkpoint.sharded_save import staged_directory
-from lightning_trn.core.checkpoint.shared_storage import check_shared_directory
 from lightning_trn.core.device_loader import BATCHES_YIELDED, DevicePrefetchLoader
 from lightning_trn.core.parallel.process_group import OneProcess, ProcessGroup
 from lightning_trn.core.scalars import place_scalars
@@ -132,8 +130,13 @@ class NeuronStrategyCore(_LightningStrategy):
         self._deliveries: deque = deque(maxlen=_RECENT_DELIVERIES)
         #: the run's base device seed; training batch i draws from `step_seed(_device_seed, i)`
         self._device_seed = 0
-        #: directories every rank was found to share (`_check_shared_directory`)
-        self._shared_directories: set[str] = set()
+        #: saves, loads and removes this strategy's checkpoints
+        self._checkpointer = Checkpointer(self._process_group)
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """What saves, loads and removes this strategy's checkpoints (`lightning_trn.core.checkpoint.checkpointer`)."""
+        return self._checkpointer
 
     @property
     def runtime(self) -> DeviceRuntime:
@@ -178,7 +181,7 @@ class NeuronStrategyCore(_LightningStrategy):
         """A multi-process strategy claims this process's NeuronCore and joins the process group first: TorchNeuron
         refuses a `neuron` process group once a device tensor exists (the accelerator's setup runs a probe on it).
         A checkpoint IO the strategy cannot serve is refused before that, so a refused run leaves no process group."""
-        self._check_async_save()
+        self._checkpointer.configure(self._checkpoint_io, self._checkpoint_layout(), type(self).__name__)
         if self._process_group.is_distributed:
             self._claim_device()
             self._setup_distributed()
@@ -189,9 +192,7 @@ class NeuronStrategyCore(_LightningStrategy):
     def teardown(self) -> None:
         """An asynchronous save in flight is written and committed first (at the end of `fit`, and on the exception
         path a SIGTERM takes): Lightning's sharded strategies never tear their checkpoint IO down."""
-        saver = self._async_checkpointer()
-        if saver is not None:
-            saver.wait()
+        self._checkpointer.teardown()
         super().teardown()
         self._process_group.env.restore()
 
@@ -366,78 +367,46 @@ class NeuronStrategyCore(_LightningStrategy):
         ZeRO-1 checkpoints write each rank's part here)."""
         return checkpoint, path
 
-    def _saves_sharded(self) -> bool:
-        """Whether checkpoints are directories every rank writes part of."""
-        return False
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        """What this strategy's checkpoints are on disk."""
+        return CheckpointLayout.FILE
 
-    def _check_shared_directory(self, directory: Any) -> None:
-        """Refuse a sharded checkpoint directory that not every rank shares
-        (`lightning_trn.core.checkpoint.shared_storage`): probed once per directory, on every rank together, when
-        several ranks write sharded checkpoints into it."""
-        directory = os.fspath(directory)
-        if self._saves_sharded() and "://" in directory:  # S3 takes DCP directories only (`s3_checkpoint.refusal`)
-            reason = s3_checkpoint.refusal(
-                directory, self._writes_dcp_directories(), self._async_checkpointer() is not None
-            )
-            if reason is not None:
-                raise ValueError(reason)
-        if not self._saves_sharded() or self.world_size <= 1 or "://" in directory:
-            return
-        directory = os.path.abspath(directory)
-        if directory not in self._shared_directories:
-            check_shared_directory(directory, self.global_rank, self._gather_objects)
-            self._shared_directories.add(directory)
-
-    def _save_destination(self, path: Any) -> AbstractContextManager[Any]:
-        """Where this rank saves a checkpoint for `path`: `path` itself; for a sharded checkpoint a staging directory
-        that replaces `path` atomically once every rank is done (`lightning_trn.core.checkpoint.sharded_save`), in a
-        directory every rank was found to share; for one in S3, a local directory whose files become a new version
-        there, made the checkpoint by a commit object (`lightning_trn.core.checkpoint.s3_checkpoint`)."""
-        if self._saves_sharded():
-            self._check_shared_directory(os.path.dirname(os.fspath(path)))
-            if s3_checkpoint.is_s3(path):
-                return s3_checkpoint.staged_upload(
-                    os.fspath(path), self.global_rank, self._gather_objects, self.barrier
-                )
-            saver = self._async_checkpointer()
-            if saver is None:
-                return staged_directory(path, self.global_rank, self.barrier)
-            saver.wait()  # rank 0 commits the previous save before it prepares this one's staging directory
-            return staged_directory(path, self.global_rank, self.barrier, defer=saver.defer)
-        return nullcontext(path)
-
-    def _load_source(self, path: Any) -> AbstractContextManager[Any]:
-        """What Lightning's load of `path` reads (every rank): `path` itself; for a sharded checkpoint in S3, a local
-        directory whose DCP reads go to the committed version (`lightning_trn.core.checkpoint.s3_checkpoint`)."""
-        if s3_checkpoint.is_s3(path) and self._writes_dcp_directories():
-            return s3_checkpoint.committed_source(os.fspath(path), self.barrier)
-        return nullcontext(path)
-
-    def _async_checkpointer(self) -> AsyncCheckpointer | None:
-        """The background writer of `NeuronCheckpointIO(async_save=True)`, or None (saves are synchronous)."""
-        io = self._checkpoint_io
-        return io.async_checkpointer if isinstance(io, NeuronCheckpointIO) else None
-
-    def _writes_dcp_directories(self) -> bool:
-        """Whether checkpoints are torch.distributed.checkpoint directories (what `async_save` writes)."""
-        return False
-
-    def _check_async_save(self) -> None:
-        """Refuse `NeuronCheckpointIO(async_save=True)` where checkpoints are not DCP directories."""
-        if self._async_checkpointer() is not None and not self._writes_dcp_directories():
-            raise ValueError(
-                f"NeuronCheckpointIO(async_save=True) writes the torch.distributed.checkpoint directories of the "
-                f"sharded strategies (model-parallel and FSDP with sharded checkpoints, native backend); "
-                f"{type(self).__name__} writes {'ZeRO-1 directories' if self._saves_sharded() else 'one file'}, "
-                "which it saves synchronously. Drop `async_save=True`, or for one-file checkpoints wrap the "
-                "checkpoint IO in Lightning's `AsyncCheckpointIO`."
-            )
-
-    def _save_in_background(self, saver: AsyncCheckpointer, state: dict[str, Any], directory: str) -> None:
-        """Called on every rank inside `_save_destination`'s block: write the checkpoint `state` (the Trainer's
-        checkpoint dict, Fabric's state) into the DCP staging `directory` through `saver`. Implemented by the
-        strategies whose `_writes_dcp_directories` is true."""
+    def _checkpoint_meta(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What Lightning writes beside the shards of a DCP checkpoint (`meta.pt`), of the state it saves."""
         raise NotImplementedError
+
+    def _save_in_background(self, state: dict[str, Any], directory: str) -> None:
+        """Called on every rank inside the save's block: write the checkpoint `state` (the Trainer's checkpoint dict,
+        Fabric's state) into the DCP staging `directory` through the checkpointer's background writer. Implemented by
+        the strategies whose layout is `CheckpointLayout.DCP`."""
+        raise NotImplementedError
+
+    def _save_through_checkpointer(
+        self,
+        state: dict[str, Any],
+        path: Any,
+        entry: dict[str, Any],
+        write: Callable[[dict[str, Any], Any], None],
+        event: Hashable | None = None,
+    ) -> None:
+        """Every rank: save `state` with this rank's random-state `entry` to `path`, Lightning's save (`write(state,
+        target)`) writing into the directory the checkpointer gives (module `checkpointer`). A save of the same
+        `event` as the previous one (another name of one `ModelCheckpoint` event) links the previous checkpoint's
+        files instead of writing them again."""
+        layout = self._checkpoint_layout()
+        state = {**state, RANDOM_STATE_KEY: self._checkpointer.random_state_to_save(entry, self.world_size, layout)}
+        source = self._checkpointer.linked_source(event, path, layout)
+        if source is not None:
+            buffer = io.BytesIO()
+            torch.save(self._checkpoint_meta(state), buffer)
+            self._checkpointer.link(source, path, {LIGHTNING_META_FILE: buffer.getvalue()}, self.global_rank)
+            return
+        with self._checkpointer.save_destination(path, self.global_rank, self.world_size, layout) as target:
+            if layout.sharded:
+                self._checkpointer.write_rank_file(target, path, self.global_rank, entry)
+            state, target = self._split_checkpoint(state, target)
+            write(state, target)
+        self._checkpointer.saved(event, path)
 
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         """Hook between backward and the optimizer update (data-parallel strategies average the gradients there);
@@ -450,23 +419,22 @@ class NeuronStrategyCore(_LightningStrategy):
         """Every rank's `obj`, in rank order (multi-process strategies gather over the host group)."""
         return self._process_group.gather_objects(obj, self.world_size)
 
-    def _random_state_to_save(
+    def _random_state_entry(
         self, loaders: list[DevicePrefetchLoader], mid_epoch: bool | None, **extra: Any
     ) -> dict[str, Any]:
-        """The checkpoint's `RANDOM_STATE_KEY` value: every rank's random state (called on every rank).
+        """This rank's random state, for a checkpoint (called on every rank).
 
         `mid_epoch`: whether the run resumes inside the training loaders' current epoch (None: each loader says
         whether its iteration is under way). The host states are those of the first loader's epoch start then, the
         states now otherwise."""
         states = [loader.random_state(loader.in_epoch if mid_epoch is None else mid_epoch) for loader in loaders]
         host = next((state["host"] for state in states if state["host"] is not None), None)
-        entry = {
+        return {
             "host": host if host is not None else host_states(),
             "loaders": [{"generators": s["generators"], BATCHES_YIELDED: s[BATCHES_YIELDED]} for s in states],
             "device_seed": self._device_seed,
             **extra,
         }
-        return {"version": RANDOM_STATE_VERSION, "ranks": self._gather_objects(entry)}
 
     def _restore_random_state(
         self, saved: Any, loaders: list[DevicePrefetchLoader], skip: bool = False

@@ -6,14 +6,15 @@ scratch, an explicit `ckpt_path=".../last.ckpt"` would not find it. The Trainer 
 newest `last*.ckpt` of every `ModelCheckpoint`'s directory; "hpc": SLURM's `hpc_ckpt_<n>.ckpt` in
 `default_root_dir`; or a path) in `_CheckpointConnector._select_ckpt_path`, before the strategy's
 `setup_environment`: no strategy hook runs before it and no process group exists yet. So that method is wrapped at
-`import lightning_trn` (version-guarded, as the connector hooks of `lightning_trn.registration`): with a Neuron
-strategy, rank 0 first runs `recover_all` on the directories the checkpoint is looked for in and the other ranks wait
-until nothing there is left aside (`sharded_save.recover_before_resume`); every other strategy gets Lightning's method
-unchanged. Fabric has no such resolution: its Neuron strategies recover the directory of the path `fabric.load` gets.
+`import lightning_trn` (version-guarded, as the connector hooks of `lightning_trn.registration`): for `fit` with a
+Neuron strategy, rank 0 first finishes what dead writers left in the directories the checkpoint is looked for in and
+the other ranks wait until nothing there is left aside (`lightning_trn.core.checkpoint.storage.recover_before_resume`);
+`validate`, `test` and `predict` only read (an evaluation job never changes another job's checkpoints); every other
+strategy gets Lightning's method unchanged. Fabric has no such resolution: its Neuron strategies recover the
+directory of the path `fabric.load` gets.
 
-`ckpt_path="last"` with `s3://` checkpoint directories: the newest `last*.ckpt` there that has a commit object
-(`lightning_trn.core.checkpoint.s3_checkpoint`), when there is one; in a run whose checkpoint directories are both local
-and in S3, the S3 one is taken first.
+`ckpt_path="last"` where Lightning's lookup cannot see a storage's checkpoints (`s3://`): the newest committed
+`last*.ckpt` there (`Storage.newest_last`), when there is one, taken before a filesystem's.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_registry import _is_registry
 
-from lightning_trn.core.checkpoint import s3_checkpoint
-from lightning_trn.core.checkpoint.sharded_save import recover_before_resume
+from lightning_trn.core.checkpoint import storage
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks.registry import lightning_version_tested
 
@@ -73,16 +73,8 @@ def checkpoint_directories(trainer: Any, ckpt_path: Any) -> list[str]:
     return [os.fspath(directory) for directory in directories]
 
 
-def _newest_last_in_s3(directories: list[str]) -> str | None:
-    """The newest committed `last*.ckpt` of the `s3://` directories (`lightning_trn.core.checkpoint.s3_checkpoint`), or
-    None. Lightning's own "last" lists a directory through fsspec, whose S3 names lack the `s3://` (so it never finds
-    one), and would count a checkpoint whose save was killed before its commit object."""
-    remote = [directory for directory in directories if s3_checkpoint.is_s3(directory)]
-    return s3_checkpoint.newest_committed(remote) if remote else None
-
-
 def recovering_select_ckpt_path(original: Callable[..., Any]) -> Callable[..., Any]:
-    """`_CheckpointConnector._select_ckpt_path`, after `recover_before_resume` on a Neuron strategy's run."""
+    """`_CheckpointConnector._select_ckpt_path`, after `recover_before_resume` on a Neuron strategy's `fit`."""
 
     @functools.wraps(original)
     def select(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -91,9 +83,10 @@ def recovering_select_ckpt_path(original: Callable[..., Any]) -> Callable[..., A
         if isinstance(strategy, NeuronStrategyCore):
             path = self._ckpt_path if ckpt_path is None and self._user_managed else ckpt_path
             directories = checkpoint_directories(trainer, path)
-            recover_before_resume(directories, _rank_before_setup(strategy))
+            if state_fn == TrainerFn.FITTING:
+                storage.recover_before_resume(directories, _rank_before_setup(strategy))
             if path == "last":
-                ckpt_path = _newest_last_in_s3(directories) or ckpt_path
+                ckpt_path = storage.newest_last(directories) or ckpt_path
         return original(self, state_fn, ckpt_path, *args, **kwargs)
 
     select._lightning_trn = True  # type: ignore[attr-defined]  # marks the wrapper: installed once

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
-from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.checkpoint.distributed_checkpoint import load_consolidated
 from lightning_trn.core.checkpoint.sharded_save import remove, staged_directory, staging_path
 from tests.sharded_runs import _assert_equal, assert_checkpoints_match_reference, load, run_job
 
 pytestmark = pytest.mark.native_only
 
+TIMEOUT = timedelta(seconds=60)
 SCRIPT = Path(__file__).parents[1] / "scripts" / "async_save_train.py"
 FABRIC_SCRIPT = Path(__file__).parents[1] / "scripts" / "async_save_fabric.py"
 
@@ -67,7 +68,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
 
 
 def _save(saver: AsyncCheckpointer, path: Path, weight: torch.Tensor) -> None:
-    """One rank's save of a one-tensor checkpoint, as the strategies do it (`NeuronStrategyCore._save_destination`)."""
+    """One rank's save of a one-tensor checkpoint, as the checkpointer does it (`Checkpointer.save_destination`)."""
     saver.wait()
     with staged_directory(path, 0, lambda: None, defer=saver.defer) as staging:
         saver.save({"model": {"weight": weight}}, staging)
@@ -80,7 +81,7 @@ def _weight(path: Path) -> torch.Tensor:
 def test_the_checkpoint_changes_only_once_the_write_that_was_staged_before_save_returned_is_done(
     tmp_path: Path, gate: Gate
 ) -> None:
-    saver, path = AsyncCheckpointer(), tmp_path / "last.ckpt"
+    saver, path = AsyncCheckpointer(TIMEOUT), tmp_path / "last.ckpt"
     gate.opened.set()
     _save(saver, path, torch.zeros(64))
     saver.wait()
@@ -91,17 +92,15 @@ def test_the_checkpoint_changes_only_once_the_write_that_was_staged_before_save_
     time.sleep(0.2)
     assert saver.in_flight
     assert torch.equal(_weight(path), torch.zeros(64)), "the checkpoint changed before its write was done"
-    io = NeuronCheckpointIO(async_save=True)
-    io.async_checkpointer = saver
     threading.Timer(0.3, gate.opened.set).start()
-    io.teardown()  # waits for the write and the commit
+    saver.close()  # the strategy's teardown: waits for the write and the commit
     assert not saver.in_flight
     assert torch.equal(_weight(path), torch.arange(64.0))
     assert not Path(staging_path(path)).exists()
 
 
 def test_a_new_save_waits_for_the_one_in_flight_and_deletions_wait_for_its_commit(tmp_path: Path, gate: Gate) -> None:
-    saver, path, older = AsyncCheckpointer(), tmp_path / "last.ckpt", tmp_path / "step=1.ckpt"
+    saver, path, older = AsyncCheckpointer(TIMEOUT), tmp_path / "last.ckpt", tmp_path / "step=1.ckpt"
     gate.opened.set()
     _save(saver, older, torch.ones(8))
     saver.wait()
@@ -124,7 +123,7 @@ def test_a_new_save_waits_for_the_one_in_flight_and_deletions_wait_for_its_commi
 def test_a_failed_write_commits_nothing_and_raises_at_the_next_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    saver, path = AsyncCheckpointer(), tmp_path / "last.ckpt"
+    saver, path = AsyncCheckpointer(TIMEOUT), tmp_path / "last.ckpt"
     _save(saver, path, torch.zeros(4))
     saver.wait()
 
@@ -183,7 +182,8 @@ def test_training_goes_on_during_the_writes_one_save_at_a_time_and_fit_ends_with
             saves.append([time_s, None])
         elif event == "commit-end":
             saves[-1][1] = time_s
-    assert len(saves) == 10 and all(end is not None for _, end in saves)
+    # one write per step: `last.ckpt` is linked to the step's top-k file once that is committed
+    assert len(saves) == 5 and all(end is not None for _, end in saves)
     assert all(saves[i + 1][0] >= saves[i][1] for i in range(len(saves) - 1)), "two saves were in flight at once"
     steps = [time_s for time_s, event in events if event == "step-end"]
     assert any(start < step < end for start, end in saves for step in steps), "no training step ran during a write"
@@ -194,9 +194,9 @@ def test_training_goes_on_during_the_writes_one_save_at_a_time_and_fit_ends_with
 def test_a_kill_during_a_background_write_leaves_the_previous_checkpoints_loadable(
     tmp_path: Path, reference: Path
 ) -> None:
-    # the 5th save writes step=3.ckpt; step=2.ckpt and last.ckpt (step 2) are committed, and ModelCheckpoint asked
-    # for step=2.ckpt's deletion meanwhile
-    ckpts = run_job(tmp_path, "dcp", "--async-save", "--kill-write", "5", killed=True, script=SCRIPT)
+    # the 3rd write is step=3.ckpt's (one per step, last.ckpt linked to it); step=2.ckpt and last.ckpt (step 2) are
+    # committed, and ModelCheckpoint asked for step=2.ckpt's deletion meanwhile
+    ckpts = run_job(tmp_path, "dcp", "--async-save", "--kill-write", "3", killed=True, script=SCRIPT)
     assert assert_checkpoints_match_reference(ckpts, reference) == {"last.ckpt": 2, "step=2.ckpt": 2}
 
 

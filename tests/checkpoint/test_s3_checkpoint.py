@@ -21,9 +21,10 @@ import pytest
 import torch
 from lightning.fabric.strategies import model_parallel as fabric_model_parallel
 
-import lightning_trn
 from lightning_trn.core.checkpoint import s3_checkpoint
+from lightning_trn.core.checkpoint.checkpointer import Checkpointer, CheckpointLayout
 from lightning_trn.core.checkpoint.s3_checkpoint import COMMIT_OBJECT
+from lightning_trn.core.parallel.process_group import OneProcess
 from lightning_trn.hooks.registry import S3_CHECKPOINT_HOOKS, installed
 from tests.s3_server import moto_s3
 from tests.sharded_runs import run_job
@@ -50,7 +51,7 @@ def keys(s3: Any, prefix: str) -> list[str]:
 
 def save(url: str, value: float, step: int, fail: bool = False) -> None:
     """What Lightning's sharded save does on one rank, into `url`: DCP files, then `meta.pt`; `fail`: raise after."""
-    with installed(S3_CHECKPOINT_HOOKS), s3_checkpoint.staged_upload(url, 0, lambda o: [o], lambda: None) as shadow:
+    with installed(S3_CHECKPOINT_HOOKS), s3_checkpoint.staged_upload(url, 0, lambda o: o, lambda: None) as shadow:
         fabric_model_parallel._distributed_checkpoint_save({"w": torch.full((64,), value)}, Path(shadow))
         torch.save({"step": step}, Path(shadow) / "meta.pt")
         if fail:
@@ -72,6 +73,7 @@ def test_commit_object_makes_a_save_visible_and_what_a_failed_save_left_is_swept
     last, newer = f"{directory}/last.ckpt", f"{directory}/last-v1.ckpt"
     save(last, 1.0, 1)
     save(last, 2.0, 2)  # replaces the first version: one version and the commit object left
+    s3_checkpoint.wait_for_deletions()  # the previous version is deleted in the background
     committed = s3_checkpoint.committed_version(last)
     assert keys(s3, "unit/last.ckpt/") == sorted(
         ["unit/last.ckpt/" + COMMIT_OBJECT]
@@ -82,8 +84,15 @@ def test_commit_object_makes_a_save_visible_and_what_a_failed_save_left_is_swept
     with pytest.raises(RuntimeError, match="died"):
         save(newer, 4.0, 4, fail=True)  # a new name that never got its commit object
     partial = [key for key in keys(s3, "unit/") if committed not in key and not key.endswith(COMMIT_OBJECT)]
-    # DCP's files complete in both, but no `meta.pt` and no commit object
-    assert sorted(key.rsplit("/", 1)[1] for key in partial) == [".metadata"] * 2 + ["__0_0.distcp"] * 2
+    # DCP's files complete in both, but no `meta.pt` and no commit object; the writer's lease stays
+    assert sorted(key.rsplit("/", 1)[1] for key in partial) == [
+        ".lightning_trn-lease",
+        ".lightning_trn-lease",
+        ".metadata",
+        ".metadata",
+        "__0_0.distcp",
+        "__0_0.distcp",
+    ]
 
     assert load(last) == (2.0, 2)
     assert s3_checkpoint.newest_committed([directory]) == last  # not the newer, uncommitted last-v1.ckpt
@@ -95,6 +104,7 @@ def test_commit_object_makes_a_save_visible_and_what_a_failed_save_left_is_swept
     assert load(last) == (2.0, 2)
 
     s3_checkpoint.remove(last)
+    s3_checkpoint.wait_for_deletions()
     assert keys(s3, "unit/") == []
 
 
@@ -102,19 +112,23 @@ def test_a_save_the_hooks_did_not_send_to_s3_is_not_committed(s3: Any) -> None:
     url = f"s3://{BUCKET}/unhooked/last.ckpt"
     with (
         pytest.raises(RuntimeError, match="did not go through S3"),
-        s3_checkpoint.staged_upload(url, 0, lambda o: [o], lambda: None) as shadow,
+        s3_checkpoint.staged_upload(url, 0, lambda o: o, lambda: None) as shadow,
     ):
         fabric_model_parallel._distributed_checkpoint_save({"w": torch.ones(4)}, Path(shadow))
+    # no commit object: only the writer's lease on the version, which marks it for the next sweep
+    (lease,) = keys(s3, "unhooked/")
+    assert lease.endswith("/" + s3_checkpoint.LEASE_OBJECT)
+    s3_checkpoint.sweep(f"s3://{BUCKET}/unhooked")
     assert keys(s3, "unhooked/") == []
 
 
 def test_sharded_checkpoints_without_an_s3_writer_refuse_s3() -> None:
     """ZeRO-1's sharded directories (the XLA backend's sharded checkpoints) and asynchronous DCP saves: a paragraph,
     at setup (the strategy's probe of its checkpoint directories) and at a save."""
-    zero1 = lightning_trn.NeuronDDPStrategy(zero1=True, state_dict_type="sharded")
+    checkpointer = Checkpointer(OneProcess())
     with pytest.raises(ValueError, match=r"ZeRO-1 directories .*\(FSx for Lustre, EFS\)"):
-        zero1._check_shared_directory(f"s3://{BUCKET}/zero1")
-    lightning_trn.NeuronDDPStrategy(zero1=True, state_dict_type="full")._check_shared_directory(f"s3://{BUCKET}/z")
+        checkpointer.check_directory(f"s3://{BUCKET}/zero1", 0, 2, CheckpointLayout.ZERO1)
+    checkpointer.check_directory(f"s3://{BUCKET}/z", 0, 2, CheckpointLayout.FILE)
     assert "asynchronous saves" in str(s3_checkpoint.refusal("s3://b/x", writes_dcp=True, async_save=True))
     assert s3_checkpoint.refusal("s3://b/x", writes_dcp=True, async_save=False) is None
 
@@ -137,19 +151,26 @@ def test_fsdp_job_saves_resumes_last_and_survives_a_kill_during_an_upload(tmp_pa
         assert record["fabric_loaded"] == [1, record["fabric_saved"]]
     assert ranks[0]["first_end"] != ranks[1]["first_end"]  # each rank's own shards
 
-    # killed during the upload of last.ckpt at step 5: it is still step 4's, complete; ModelCheckpoint's top-1 kept
-    # step=5.ckpt only; trainer.save_checkpoint's and Fabric's checkpoints are there
+    # killed during the upload of step=5.ckpt (the step's first name; last.ckpt is linked to it once committed):
+    # last.ckpt and ModelCheckpoint's top-1 are still step 4's, complete; trainer.save_checkpoint's and Fabric's are
+    # there
     assert _meta(s3, "last.ckpt")["global_step"] == 4
-    assert _meta(s3, "step=5.ckpt")["global_step"] == 5
+    assert _meta(s3, "step=4.ckpt")["global_step"] == 4
     assert _meta(s3, "manual.ckpt")["global_step"] == 3
     assert _meta(s3, "fabric.ckpt")["step"] == 1
-    assert not keys(s3, "job/step=4.ckpt/") and not keys(s3, "job/step=3.ckpt/")
-    committed = s3_checkpoint.committed_version(f"s3://{BUCKET}/job/last.ckpt")
-    partial = [key for key in keys(s3, "job/last.ckpt/") if committed not in key and COMMIT_OBJECT not in key]
-    assert partial and all(key.endswith("__1_0.distcp") for key in partial)  # rank 1's shard of the killed save
+    assert s3_checkpoint.committed_version(f"s3://{BUCKET}/job/step=5.ckpt") is None
+    # rank 1's shard of the killed save, each rank's random state, its writer's lease
+    partial = keys(s3, "job/step=5.ckpt/")
+    assert sorted(key.rsplit("/", 1)[1] for key in partial) == [
+        s3_checkpoint.LEASE_OBJECT,
+        "__1_0.distcp",
+        "random-state-rank0.pt",
+        "random-state-rank1.pt",
+    ]
     assert s3_checkpoint.newest_committed([f"s3://{BUCKET}/job"]) == f"s3://{BUCKET}/job/last.ckpt"
 
-    # what a resume's rank 0 runs first: the killed save's objects go
+    # what a resume's rank 0 runs first: the killed save's objects go (its writer's process is gone), and so does
+    # whatever a background deletion had not finished
     s3_checkpoint.sweep(f"s3://{BUCKET}/job")
-    assert not [key for key in keys(s3, "job/last.ckpt/") if committed not in key and COMMIT_OBJECT not in key]
+    assert keys(s3, "job/step=5.ckpt/") == [] and keys(s3, "job/step=3.ckpt/") == []
     assert _meta(s3, "last.ckpt")["global_step"] == 4

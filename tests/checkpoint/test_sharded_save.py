@@ -21,11 +21,11 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks import checkpoint_syscalls
 from benchmarks.checkpoint_syscalls import OPERATIONS, count_per_save, without_exchange
-from lightning_trn.core.checkpoint import sharded_save
+from lightning_trn.core.checkpoint import leases, sharded_save
 from lightning_trn.core.checkpoint.sharded_save import (
     recover,
     recover_all,
-    recover_before_resume,
+    recover_local,
     remove,
     staged_directory,
     staging_path,
@@ -39,6 +39,15 @@ pytestmark = pytest.mark.both
 
 class Killed(BaseException):
     """Stands for a SIGKILL at that point: nothing after it runs."""
+
+
+#: a writer that holds no lease: gone (`leases`)
+DEAD = "d" * 16
+
+
+def _owned(name: str, kind: str, writer: str | None = None) -> str:
+    """The name of lightning_trn's entry of `kind` beside checkpoint `name`, by `writer` (this process's)."""
+    return f".{name}.{leases.OWNER_TAG}-{writer or leases.writer().id}.{kind}"
 
 
 def _save(path: Path, files: dict[str, str]) -> None:
@@ -108,7 +117,7 @@ def test_a_kill_between_the_two_renames_is_recovered_to_the_previous_checkpoint(
         _kill_at_rename(patch, 2)  # the first moved step 1 aside
         with pytest.raises(Killed):
             _save(path, {"shard": "step 2"})
-    assert not path.exists() and _hidden(tmp_path) == [".last.ckpt.old", ".last.ckpt.partial"]
+    assert not path.exists() and _hidden(tmp_path) == [_owned("last.ckpt", "old"), _owned("last.ckpt", "partial")]
     recover_all(tmp_path)
     assert _contents(path) == {"shard": "step 1"}
     _save(path, {"shard": "step 3"})
@@ -124,7 +133,7 @@ def test_a_kill_after_the_two_renames_is_finished_by_recover(
     with monkeypatch.context() as patch:
         patch.setattr(sharded_save, "_discard", lambda target: None)
         _save(path, {"shard": "step 2"})
-    assert _contents(path) == {"shard": "step 2"} and _hidden(tmp_path) == [".last.ckpt.old"]
+    assert _contents(path) == {"shard": "step 2"} and _hidden(tmp_path) == [_owned("last.ckpt", "old")]
     recover(path)
     assert _contents(path) == {"shard": "step 2"} and _hidden(tmp_path) == []
 
@@ -156,7 +165,7 @@ def test_removing_a_checkpoint_directory_never_leaves_part_of_it_under_its_name(
         patch.setattr(shutil, "rmtree", killed)
         with pytest.raises(Killed):
             remove(path)
-    assert not path.exists() and _hidden(tmp_path) == [".step=1.ckpt.removing"]
+    assert not path.exists() and _hidden(tmp_path) == [_owned("step=1.ckpt", "removing")]
     recover_all(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
@@ -200,9 +209,9 @@ def _leftovers(parent: Path) -> None:
     for index in range(12):
         for name, step in (
             (f"kept{index}.ckpt", 2),
-            (f".kept{index}.ckpt.old", 1),
-            (f".lost{index}.ckpt.old", 1),
-            (f".gone{index}.ckpt.removing", 0),
+            (_owned(f"kept{index}.ckpt", "old", DEAD), 1),
+            (_owned(f"lost{index}.ckpt", "old", DEAD), 1),
+            (_owned(f"gone{index}.ckpt", "removing", DEAD), 0),
         ):
             (parent / name).mkdir()
             for shard in range(30):
@@ -261,9 +270,9 @@ def test_a_previous_copy_that_cannot_be_deleted_never_fails_the_save(
         _save(path, {"shard": "step 2"})
     assert _contents(path) == {"shard": "step 2"}
     (left,) = _hidden(tmp_path)
-    assert left.startswith(".last.ckpt.") and left.endswith(".removing")
+    assert left.startswith(_owned("last.ckpt", "")[:-1] + "-") and left.endswith(".removing")
     assert _contents(tmp_path / left) == {"shard": "step 1"}
-    assert f"could not delete {tmp_path / '.last.ckpt.old'}" in caplog.text and left in caplog.text
+    assert f"could not delete {tmp_path / _owned('last.ckpt', 'old')}" in caplog.text and left in caplog.text
     assert shutil.rmtree is rmtree
     _save(path, {"shard": "step 3"})
     assert _contents(path) == {"shard": "step 3"} and _hidden(tmp_path) == []
@@ -272,13 +281,13 @@ def test_a_previous_copy_that_cannot_be_deleted_never_fails_the_save(
 def test_other_ranks_wait_for_rank_0_to_put_back_a_checkpoint(tmp_path: Path) -> None:
     """Before the Trainer's process group exists: rank 1 watches the directory until rank 0's `recover_all` is
     done, and gives up with a message naming the checkpoint if it never is."""
-    (tmp_path / ".last.ckpt.old").mkdir()
+    (tmp_path / _owned("last.ckpt", "old", DEAD)).mkdir()
     with pytest.raises(TimeoutError, match="last.ckpt"):
-        recover_before_resume([tmp_path], rank=1, timeout_s=0.3)
-    assert _hidden(tmp_path) == [".last.ckpt.old"]  # only rank 0 changes anything
-    rank_0 = threading.Timer(0.3, recover_before_resume, args=([tmp_path], 0))
+        recover_local([str(tmp_path)], rank=1, barrier=None, timeout_s=0.3)
+    assert _hidden(tmp_path) == [_owned("last.ckpt", "old", DEAD)]  # only rank 0 changes anything
+    rank_0 = threading.Timer(0.3, recover_local, args=([str(tmp_path)], 0, None))
     rank_0.start()
-    recover_before_resume([tmp_path], rank=1, timeout_s=30)
+    recover_local([str(tmp_path)], rank=1, barrier=None, timeout_s=30)
     assert (tmp_path / "last.ckpt").is_dir()
     rank_0.join()
 
@@ -316,7 +325,7 @@ def test_fit_puts_back_the_checkpoint_a_killed_commit_left_aside_before_choosing
     train from scratch, an explicit path would not be found. Rank 0 puts it back first (`hooks/resume.py`)."""
     ckpts = tmp_path / "ckpts"
     _fit(ckpts, steps=2)
-    (ckpts / "last.ckpt").rename(ckpts / ".last.ckpt.old")
+    (ckpts / "last.ckpt").rename(ckpts / _owned("last.ckpt", "old", DEAD))
     start = _fit(ckpts, steps=3, ckpt_path="last" if resume == "last" else ckpts / "last.ckpt")
     assert start.step == 2
     assert _hidden(ckpts) == [] and torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 3
@@ -325,10 +334,10 @@ def test_fit_puts_back_the_checkpoint_a_killed_commit_left_aside_before_choosing
 def test_runs_on_other_accelerators_resolve_the_checkpoint_as_lightning_does(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
-    (ckpts / ".last.ckpt.old").write_text("what a killed sharded save of a Neuron run left")
+    (ckpts / _owned("last.ckpt", "old", DEAD)).write_text("what a killed sharded save of a Neuron run left")
     with pytest.warns(UserWarning, match="there is no last checkpoint"):
         assert _fit(ckpts, steps=1, accelerator="cpu", ckpt_path="last").step == 0
-    assert ".last.ckpt.old" in _hidden(ckpts)
+    assert _owned("last.ckpt", "old", DEAD) in _hidden(ckpts)
 
 
 def test_fabric_load_puts_back_the_checkpoint_a_killed_commit_left_aside(tmp_path: Path) -> None:
@@ -336,7 +345,7 @@ def test_fabric_load_puts_back_the_checkpoint_a_killed_commit_left_aside(tmp_pat
     model = fabric.setup(torch.nn.Linear(2, 2))
     path = tmp_path / "state.ckpt"
     fabric.save(path, {"model": model, "step": 7})
-    path.rename(tmp_path / ".state.ckpt.old")
+    path.rename(tmp_path / _owned("state.ckpt", "old", DEAD))
     state = {"model": model, "step": 0}
     fabric.load(path, state)
     assert state["step"] == 7 and _hidden(tmp_path) == []
@@ -378,11 +387,13 @@ def test_zero1_job_killed_between_the_two_renames_resumes_from_the_checkpoint_pu
     tmp_path: Path, reference: Path
 ) -> None:
     """NFS, Lustre: `renameat2` answers EINVAL and the commit takes two renames. Killed between them in save 6
-    (`last.ckpt` of step 3): no `last.ckpt`, step 2's as `.last.ckpt.old`. `fit(ckpt_path="last")` has rank 0 put it
-    back while rank 1 waits, before the path is chosen: the job resumes at step 2 (not from scratch), its later
-    commits take two renames too, and it ends with the uninterrupted run's checkpoints."""
+    (`last.ckpt` of step 3): no `last.ckpt`, step 2's set aside by the killed writer. `fit(ckpt_path="last")` has
+    rank 0 put it back (its writer's process is gone) while rank 1 waits, before the path is chosen: the job resumes
+    at step 2 (not from scratch), its later commits take two renames too, and it ends with the uninterrupted run's
+    checkpoints and no entry of the killed writer left."""
     ckpts = run_job(tmp_path, "zero1", "--no-exchange", "--kill", "6:0:renamed", killed=True)
     assert not (ckpts / "last.ckpt").exists()
-    assert load(ckpts / ".last.ckpt.old")["global_step"] == 2
+    (aside,) = ckpts.glob(".last.ckpt.lightning_trn-*.old")
+    assert load(aside)["global_step"] == 2
     resume_to_the_end(tmp_path, reference, "zero1", "--no-exchange", from_step=2)
     assert _hidden(ckpts) == []

@@ -31,10 +31,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_killed_after_rank_1s_shards_keeps_the_previous_checkpoint_and_resumes_exactly(
     tmp_path: Path, reference: Path
 ) -> None:
-    """Save 6 (`last.ckpt` of step 3): rank 1 wrote its `__1_0.distcp`, rank 0 (which writes `.metadata` last) had
-    not written yet. Written in place, `last.ckpt` would load without an error as step 2 with rank 1's shards of
-    step 3."""
-    assert kill_inside_a_save(tmp_path, reference, "dcp", "6:1:wrote") == {"last.ckpt": 2, "step=3.ckpt": 3}
+    """`last.ckpt` saved alone (no top-k file it could be linked to), save 3 (step 3): rank 1 wrote its
+    `__1_0.distcp`, rank 0 (which writes `.metadata` last) had not written yet. Written in place, `last.ckpt` would
+    load without an error as step 2 with rank 1's shards of step 3."""
+    assert kill_inside_a_save(tmp_path, reference, "dcp", "3:1:wrote", "--last-only") == {"last.ckpt": 2}
     resume_to_the_end(tmp_path, reference, "dcp")
 
 

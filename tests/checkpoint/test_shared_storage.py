@@ -9,11 +9,13 @@ import re
 import socket
 import threading
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lightning_trn.core.checkpoint.checkpointer import Checkpointer, CheckpointLayout
 from lightning_trn.core.checkpoint.shared_storage import (
     PROBE_PREFIX,
     RankProbe,
@@ -22,7 +24,6 @@ from lightning_trn.core.checkpoint.shared_storage import (
     check_shared_directory,
     probe_shared_directory,
 )
-from lightning_trn.core.strategy import NeuronStrategyCore
 
 pytestmark = pytest.mark.both
 
@@ -110,32 +111,18 @@ def test_a_rank_that_cannot_write_there_is_named(tmp_path: Path) -> None:
     assert _probe_files(shared) == []
 
 
-class _Strategy:
-    """What `NeuronStrategyCore`'s checkpoint-directory methods read of a strategy: rank 0 of `world_size`, the
-    other ranks simulated in its gather (they wrote their probe files where rank 0 did, and miss `others_miss`)."""
+class _Group:
+    """The process group a checkpointer reads: rank 0 of `world_size`, the other ranks simulated in its gather (they
+    wrote their probe files where rank 0 did, and miss `others_miss`)."""
 
-    _check_shared_directory = NeuronStrategyCore._check_shared_directory
-    _save_destination = NeuronStrategyCore._save_destination
-    global_rank = 0
+    timeout = timedelta(seconds=5)
 
-    def __init__(self, sharded: bool = True, world_size: int = 2, others_miss: tuple[int, ...] = ()) -> None:
-        self.sharded, self.world_size, self.others_miss = sharded, world_size, list(others_miss)
-        self._shared_directories: set[str] = set()
+    def __init__(self, world_size: int = 2, others_miss: tuple[int, ...] = ()) -> None:
+        self.world_size, self.others_miss = world_size, list(others_miss)
         #: the directory of each probe run
         self.probed: list[str] = []
 
-    def _saves_sharded(self) -> bool:
-        return self.sharded
-
-    def _writes_dcp_directories(
-        self,
-    ) -> bool:  # DCP directories: `s3://` is allowed (lightning_trn.core.checkpoint.s3_checkpoint)
-        return True
-
-    def _async_checkpointer(self) -> None:
-        return None
-
-    def _gather_objects(self, obj: Any) -> list[Any]:
+    def gather_objects(self, obj: Any, world_size: int) -> list[Any]:
         if isinstance(obj, RankProbe):
             self.probed.append(obj.directory)
             return [obj] + [replace(obj, rank=rank) for rank in range(1, self.world_size)]
@@ -144,25 +131,32 @@ class _Strategy:
     def barrier(self) -> None:
         pass
 
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+
+def _checkpointer(group: _Group) -> Checkpointer:
+    return Checkpointer(group)  # type: ignore[arg-type]  # the members a checkpointer uses
+
 
 def test_the_strategy_probes_each_sharded_checkpoint_directory_once(tmp_path: Path) -> None:
-    strategy = _Strategy()
-    strategy._check_shared_directory(tmp_path / "a")
-    strategy._check_shared_directory(str(tmp_path / "a"))
-    strategy._check_shared_directory(tmp_path / "b")
-    strategy._check_shared_directory("s3://bucket/ckpts")  # not probed: every node reaches an S3 prefix alike
-    assert strategy.probed == [str(tmp_path / "a"), str(tmp_path / "b")]
-    for sharded, world_size in ((False, 2), (True, 1)):  # one-file checkpoints; one process
-        strategy = _Strategy(sharded, world_size)
-        strategy._check_shared_directory(tmp_path / "c")
-        assert strategy.probed == []
+    group = _Group()
+    checkpointer = _checkpointer(group)
+    for directory in (tmp_path / "a", str(tmp_path / "a"), tmp_path / "b", "s3://bucket/ckpts"):
+        # `s3://` is not probed: every node reaches an S3 prefix alike
+        checkpointer.check_directory(directory, 0, 2, CheckpointLayout.DCP)
+    assert group.probed == [str(tmp_path / "a"), str(tmp_path / "b")]
+    for layout, world_size in ((CheckpointLayout.FILE, 2), (CheckpointLayout.DCP, 1)):  # one-file; one process
+        group = _Group(world_size)
+        _checkpointer(group).check_directory(tmp_path / "c", 0, world_size, layout)
+        assert group.probed == []
 
 
 def test_a_sharded_save_into_an_unshared_directory_is_refused_before_any_rank_writes(tmp_path: Path) -> None:
     """`trainer.save_checkpoint` and `fabric.save` into a directory not probed yet (Fabric has no checkpoint
     directory before its first save): rank 1 does not see rank 0's probe file."""
-    strategy = _Strategy(others_miss=(0,))
+    group = _Group(others_miss=(0,))
     with pytest.raises(UnsharedDirectoryError, match=re.escape(f"rank 1 (host {HOST}) saw only the files of rank 1")):
-        strategy._save_destination(tmp_path / "ckpts" / "last.ckpt")
-    assert strategy.probed == [str(tmp_path / "ckpts")]
+        _checkpointer(group).save_destination(tmp_path / "ckpts" / "last.ckpt", 0, 2, CheckpointLayout.DCP)
+    assert group.probed == [str(tmp_path / "ckpts")]
     assert list((tmp_path / "ckpts").iterdir()) == []  # no staging directory, no probe file

@@ -42,9 +42,9 @@ def main() -> None:
         step(fabric, model, optimizer)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 3}
 
-    fabric.strategy.checkpoint_io = NeuronCheckpointIO()
-    fabric.save(args.out / "sync.ckpt", state)
-    fabric.strategy.checkpoint_io = io
+    checkpointer = fabric.strategy.checkpointer
+    with checkpointer.synchronous():
+        fabric.save(args.out / "sync.ckpt", state)
 
     held = threading.Event()
     write_data = FileSystemWriter.write_data
@@ -56,7 +56,7 @@ def main() -> None:
     FileSystemWriter.write_data = held_write  # type: ignore[method-assign]
     fabric.save(args.out / "async.ckpt", state)
     step(fabric, model, optimizer)  # the staged copy must not see this update
-    assert io.async_checkpointer is not None and io.async_checkpointer.in_flight
+    assert checkpointer.in_flight
     assert not (args.out / "async.ckpt").exists()
     held.set()
     fabric.load(args.out / "async.ckpt", {"model": model, "optimizer": optimizer})

@@ -5,8 +5,9 @@ checkpoints in S3 (`--url s3://bucket/prefix`; the endpoint and credentials come
    save_last=True)`; then `trainer.save_checkpoint(<url>/manual.ckpt)`.
 2. Fabric (`strategy="fsdp"`) on the same ranks: one step, `fabric.save(<url>/fabric.ckpt)`, one more step,
    `fabric.load` of that checkpoint.
-3. A new Trainer, `fit(ckpt_path="last")` up to step 5, killed (`killpg`, SIGKILL) during its last save (`last.ckpt`
-   at step 5) once rank 1 uploaded its DCP shard and before rank 0 wrote its own.
+3. A new Trainer, `fit(ckpt_path="last")` up to step 5, killed (`killpg`, SIGKILL) during its last save (`step=5.ckpt`,
+   the event's first name: `last.ckpt` would be linked to it after its commit) once rank 1 uploaded its DCP shard and
+   before rank 0 wrote its own.
 
 Each rank writes `<out>/rank<r>.json`: the step and the sum of its local parameter shards at the end of the first fit
 and at the start of the resumed one, Fabric's sums at its save and after its load.
@@ -99,14 +100,14 @@ def fabric_round_trip(url: str, record: dict[str, Any]) -> None:
 
 
 def kill_in_last_save() -> None:
-    """In the Trainer's save of `last.ckpt` at the last step, rank 0 waits while rank 1 uploads its DCP shard, then
+    """In the Trainer's save of `step=5.ckpt` at the last step, rank 0 waits while rank 1 uploads its DCP shard, then
     rank 1 kills the job."""
     save_checkpoint = pl.Trainer.save_checkpoint
     state = {"target": False}
 
     @functools.wraps(save_checkpoint)
     def watching(self: pl.Trainer, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        state["target"] = self.global_step == LAST_STEP and os.fspath(filepath).endswith("/last.ckpt")
+        state["target"] = self.global_step == LAST_STEP and os.fspath(filepath).endswith(f"/step={LAST_STEP}.ckpt")
         return save_checkpoint(self, filepath, *args, **kwargs)
 
     pl.Trainer.save_checkpoint = watching  # type: ignore[method-assign]

@@ -9,7 +9,9 @@ every_n_train_steps=1)`), optionally SIGKILL-ing the whole job at a chosen point
 ModelCheckpoint) and `last.ckpt`.
 
 `--kill SAVE:RANK:POINT` kills every process of the job (`killpg`, as a node failure or a scheduler's kill -9 would)
-during the SAVE-th sharded save of the run (1-based: the saves go `step=1.ckpt`, `last.ckpt`, `step=2.ckpt`, ...):
+during the SAVE-th sharded save of the run (1-based: the saves go `step=1.ckpt`, `last.ckpt`, `step=2.ckpt`, ...; a DCP
+`last.ckpt` is a second name of its step's `step=<k>.ckpt`, linked, not written, unless `--last-only` saves `last.ckpt`
+alone):
 - `wrote`: rank RANK kills once its own files of that save are written; the other rank is held before writing its
   files, so the directory would hold RANK's new files beside the other rank's files of the previous save;
 - `commit`: rank RANK kills right after the atomic swap that commits the save, before the previous copy is deleted;
@@ -144,6 +146,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kind", choices=("dcp", "zero1"), required=True)
     parser.add_argument("--keep-all", action="store_true", help="keep every step's checkpoint (the reference)")
+    parser.add_argument("--last-only", action="store_true", help="`last.ckpt` only: every save replaces a checkpoint")
     parser.add_argument("--kill", default=None, help="SAVE:RANK:POINT (module docstring)")
     parser.add_argument("--resume", default=None, help="ckpt_path of trainer.fit, e.g. 'last'")
     parser.add_argument("--no-exchange", action="store_true", help="renameat2 fails with EINVAL (NFS, Lustre)")
@@ -167,7 +170,7 @@ def main() -> None:
         dirpath=args.out / "ckpts",
         filename="{step}",
         every_n_train_steps=1,
-        save_top_k=-1 if args.keep_all else 1,
+        save_top_k=0 if args.last_only else -1 if args.keep_all else 1,
         save_last=True,
     )
     trainer = pl.Trainer(

@@ -13,9 +13,11 @@ checkpoint (`lightning_trn.core.checkpoint.sharded_save.staged_directory`'s `def
 background thread once the write is done. DCP's coordinator writes `.metadata` only after every rank's files are written
 and synced, so rank 0's write being done means every rank's is.
 
-At most one save is in flight: a new save, `wait()`, and `close()` (the checkpoint IO's teardown: the end of `fit`,
-the exception path a SIGTERM takes) wait for the previous one and raise its error if it failed. A process killed
-during the background write leaves the previous checkpoint as it was: the commit never ran.
+At most one save is in flight: a new save, `wait()`, and `close()` (the strategy's teardown: the end of `fit`, the
+exception path a SIGTERM takes) wait for the previous one, on every rank together, and every rank raises when any
+rank's write or rank 0's commit failed: a failure that only rank 0 sees (its commit) stops every rank with its error
+instead of leaving the others waiting in the next save's barrier. The write group has the strategy's timeout. A process
+killed during the background write leaves the previous checkpoint as it was: the commit never ran.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -30,11 +33,23 @@ from torch.distributed.checkpoint import FileSystemWriter, async_save
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 
-class AsyncCheckpointer:
-    """Writes DCP directories in the background, one at a time (module docstring). Held by
-    `NeuronCheckpointIO(async_save=True)`; every rank of the job calls `save` and `defer` in the same order."""
+class WriteFailedError(RuntimeError):
+    """An asynchronous save failed on some rank; raised on every rank."""
 
-    def __init__(self) -> None:
+
+class AsyncCheckpointer:
+    """Writes DCP directories in the background, one at a time (module docstring). Held by the strategy's
+    checkpointer (`lightning_trn.core.checkpoint.checkpointer`) when `NeuronCheckpointIO(async_save=True)` asks for it;
+    every rank of the job calls `save`, `defer` and `wait` in the same order.
+
+    Args:
+        timeout: of the write group's collectives (the strategy's process-group timeout).
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        #: whether a save was launched since the last `wait` (every rank alike): `wait` then exchanges outcomes
+        self._unsettled = False
         #: the save in flight: its write, then its commit (None: nothing in flight)
         self._in_flight: Future | None = None
         #: the write of the latest `save`, until `defer` chains its commit
@@ -51,10 +66,30 @@ class AsyncCheckpointer:
         return self._in_flight is not None and not self._in_flight.done()
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any, to be written and committed; raise its error if it failed."""
+        """Wait for the save in flight, if any, to be written and committed (every rank together); raise on every rank
+        if it failed on any."""
         pending, self._in_flight, self._write = self._in_flight, None, None
+        error: BaseException | None = None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            except Exception as failure:  # noqa: BLE001  # any failure is exchanged below and raised on every rank
+                error = failure
+        unsettled, self._unsettled = self._unsettled, False
+        if not unsettled or self._group is None:
+            if error is not None:
+                raise error
+            return
+        outcomes: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(
+            outcomes, None if error is None else f"{type(error).__name__}: {error}", group=self._group
+        )
+        failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+        if failed:
+            said = "; ".join(f"rank {rank}: {outcome}" for rank, outcome in failed)
+            raise WriteFailedError(
+                f"lightning_trn: an asynchronous checkpoint save failed ({said}); the previous checkpoint is unchanged."
+            ) from error
 
     def save(self, state_dict: dict[str, Any], directory: str) -> None:
         """Stage `state_dict` (this rank's part of a sharded checkpoint) on the host and write it into `directory`
@@ -62,7 +97,7 @@ class AsyncCheckpointer:
         self.wait()
         start = time.perf_counter()
         if self._group is None and dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
         write = async_save(
             state_dict,
             storage_writer=FileSystemWriter(directory, sync_files=True),
@@ -73,6 +108,7 @@ class AsyncCheckpointer:
         # a stager that stages in the caller gets the write's future (a background stager, a response with two)
         assert isinstance(write, Future)
         self._write = self._in_flight = write
+        self._unsettled = True
         self.last_blocked_s = time.perf_counter() - start
 
     def defer(self, commit: Callable[[], None]) -> None:

@@ -81,6 +81,27 @@ def atomic_local_save(checkpoint: dict[str, Any], path: _PATH) -> None:
     fsync_directory(directory)
 
 
+def atomic_local_write(data: bytes, path: _PATH, sync: bool = True) -> None:
+    """Write `data` to local `path` as `atomic_local_save` writes a checkpoint (`sync=False`: no fsync, for records
+    that are rewritten often and worthless after a crash, such as a writer's lease)."""
+    path = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    if sync:
+        fsync_directory(directory)
+
+
 def fsync_directory(directory: str) -> None:
     """Persist a rename itself (the directory entry); not possible on every OS/filesystem, so best effort."""
     try:

@@ -38,7 +38,6 @@ from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
 from lightning_trn.core.checkpoint.checkpoint_file import atomic_local_save, stash_loader_states, unstash_loader_states
 from lightning_trn.core.checkpoint.distributed_checkpoint import is_distributed_checkpoint, load_consolidated
 from lightning_trn.core.parallel.zero1 import SHARDED_MAIN_FILE, consolidate
@@ -82,18 +81,15 @@ class NeuronCheckpointIO(TorchCheckpointIO):
     tampered checkpoint raises instead of running; pass `weights_only=False` only for checkpoints you trust.
 
     Args:
-        async_save: write the torch.distributed.checkpoint directories of the sharded strategies (model-parallel and
-            FSDP, native backend) in the background (`lightning_trn.core.checkpoint.async_save`): a save blocks training
-            only while it copies the state to host memory. Off by default. Strategies that write one file (or ZeRO-1's
-            directories) refuse it at setup.
-
-    Attributes:
-        async_checkpointer: the background writer of `async_save=True` (None otherwise).
+        async_save: have the strategy write the torch.distributed.checkpoint directories of the sharded strategies
+            (model-parallel and FSDP, native backend) in the background (`lightning_trn.core.checkpoint.async_save`,
+            run by the strategy's checkpointer): a save blocks training only while it copies the state to host memory.
+            Off by default. Strategies that write one file (or ZeRO-1's directories) refuse it at setup.
     """
 
     def __init__(self, async_save: bool = False) -> None:
         super().__init__()
-        self.async_checkpointer = AsyncCheckpointer() if async_save else None
+        self.async_save = async_save
         self._shard: tuple[int, int] | None = None
 
     @contextlib.contextmanager
@@ -106,12 +102,6 @@ class NeuronCheckpointIO(TorchCheckpointIO):
             yield
         finally:
             self._shard = previous
-
-    @override
-    def teardown(self) -> None:
-        """Wait for an asynchronous save in flight: it is written and committed before the run ends."""
-        if self.async_checkpointer is not None:
-            self.async_checkpointer.close()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:

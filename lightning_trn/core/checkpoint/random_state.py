@@ -14,11 +14,17 @@ before), at the checkpoint otherwise. The device generator is re-seeded at every
 the batch's index (`step_seed`), so the step's random numbers depend on where it is in the run, not on how many graph
 cuts happened before it (on XLA every cut advances the device seed).
 
+Where it is stored: in a one-file checkpoint, every rank's entry under `RANDOM_STATE_KEY` (gathered to rank 0, which
+writes the file); in a sharded checkpoint (a directory every rank writes part of), each rank's entry in its own file
+`random-state-rank<r>.pt` beside the shards and a header under `RANDOM_STATE_KEY` (`RankFiles`), so that a rank
+saving or resuming reads and writes its own entry only: O(1) bytes per rank whatever the world size.
+
 Everything is stored as CPU tensors and plain Python values, so `torch.load(..., weights_only=True)` loads it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +33,36 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 #: top-level checkpoint key: {"version": 1, "ranks": [one entry per rank]}
 RANDOM_STATE_KEY = "lightning_trn_random_state"
 RANDOM_STATE_VERSION = 1
+#: the format of a sharded checkpoint's header: each rank's entry in its own file
+RANK_FILES_VERSION = 2
+
+
+def rank_file_name(rank: int) -> str:
+    """The file of rank `rank`'s random state in a sharded checkpoint."""
+    return f"random-state-rank{rank}.pt"
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """A sharded checkpoint's random-state header: how many ranks wrote a file; with this rank's entry once read."""
+
+    world_size: int
+    entry: dict[str, Any] | None = None
+
+    def header(self) -> dict[str, Any]:
+        return {"version": RANK_FILES_VERSION, "world_size": self.world_size}
+
+    @classmethod
+    def from_header(cls, saved: Any) -> RankFiles | None:
+        if isinstance(saved, dict) and saved.get("version") == RANK_FILES_VERSION:
+            return cls(int(saved["world_size"]))
+        return None
+
+    def with_entry(self, entry: dict[str, Any] | None) -> dict[str, Any]:
+        """The header with this rank's entry (what `rank_entry` reads)."""
+        return {**self.header(), "entry": entry}
+
+
 _MASK_63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment: consecutive steps get well-separated seeds
 
@@ -106,6 +142,13 @@ def rank_entry(saved: Any, rank: int, world_size: int) -> tuple[dict[str, Any] |
             "the checkpoint holds no lightning_trn random state (it was written by Lightning on a CPU or GPU, or by "
             "an older lightning_trn)"
         )
+    files = RankFiles.from_header(saved)
+    if files is not None:
+        if files.world_size != world_size:
+            return None, f"the checkpoint was written by {files.world_size} process(es) and this run has {world_size}"
+        if saved.get("entry") is None:
+            return None, f"the checkpoint has no {rank_file_name(rank)}"
+        return saved["entry"], ""
     if not isinstance(saved, dict) or saved.get("version") != RANDOM_STATE_VERSION:
         return None, "the checkpoint's lightning_trn random state has a format this version does not read"
     ranks = saved.get("ranks") or []

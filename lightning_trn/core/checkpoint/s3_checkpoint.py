@@ -1,4 +1,4 @@
-"""Sharded checkpoints in S3 (`s3://bucket/prefix/<name>.ckpt`) for the strategies that write
+"""Sharded checkpoints in S3 (`S3Storage`: `s3://bucket/prefix/<name>.ckpt`) for the strategies that write
 torch.distributed.checkpoint (DCP) directories (model-parallel and FSDP; Trainer and Fabric), atomic by a commit
 object that rank 0 writes last.
 
@@ -6,26 +6,34 @@ S3 has no rename, so a save cannot be staged and swapped in as on a filesystem
 (`lightning_trn.core.checkpoint.sharded_save`). Each save writes a new version under the checkpoint's prefix, and one
 small object says which version is the checkpoint:
 
-    <name>.ckpt/commit.json                         {"version": "<v>"}: written last, by rank 0, after every rank's
+    <name>.ckpt/commit.json                         {"lightning_trn_checkpoint": 1, "version": "<v>"}: written last,
+                                                    by rank 0, after every rank's files
+    <name>.ckpt/<v>/.lightning_trn-lease            the writer's lease (`leases`), written first, renewed while the
+                                                    version is written, deleted once it is committed
     <name>.ckpt/<v>/__<rank>_0.distcp, .metadata    DCP's files, every rank's, through AWS's s3torchconnector
+    <name>.ckpt/<v>/random-state-rank<r>.pt         each rank's random state, written by that rank
     <name>.ckpt/<v>/meta.pt                         the rest of Lightning's checkpoint (rank 0)
 
 A PUT replaces an object whole, so a reader gets the previous commit object or the new one, never a mix, and every
 read goes through the commit object (`committed_version`): a version no commit object names is never loaded, never
 picked by `ckpt_path="last"` (`newest_committed`), and a checkpoint without a commit object is refused by a load.
-What a kill during a save leaves: the previous commit object, naming the previous complete version, plus the killed
-save's objects under a version nothing names; the next save into that checkpoint deletes them first
-(`discard_uncommitted`), and rank 0 deletes them in every checkpoint of a directory before a resume (`sweep`, called
-by `sharded_save.recover_before_resume`). A removal (`remove`, ModelCheckpoint's `save_top_k`) deletes the commit
-object first, so a kill during it leaves an invisible rest that the next sweep deletes.
+After the commit, rank 0 deletes the previous version in the background (DeleteObjects, up to 1,000 keys a request),
+off the save's critical path.
+
+**Ownership and concurrency.** Only versions (`<20 digits>-<8 hex>`) of a prefix whose commit object is ours, or that
+hold our lease record, are ever deleted, and only when no commit object names them and their writer is proven gone
+(`leases.is_live`; a version without a lease: once older than `leases.EXPIRY_S`, by the time in its name). So an
+evaluation job, or another job's resume, never deletes a version a live writer is uploading; a user's objects, and a
+`commit.json` that is not ours, are never touched. What a kill leaves is deleted by a later save into that checkpoint
+(`discard_uncommitted`) and before a training resume (`sweep`).
 
 Versions are `<time_ns>-<8 hex>`, made on rank 0 and broadcast: sortable by the time of the save that made them,
 which is how "last" chooses between `last.ckpt` and `last-v1.ckpt`.
 
-The client (AWS's `s3torchconnector`, imported when first used: `import lightning_trn` works without it) takes its
-region from `AWS_REGION` or `AWS_DEFAULT_REGION` and its endpoint from `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL`
-when set: the variables botocore reads as well, so s3fs (through which Lightning's `ModelCheckpoint` lists and checks
-its `s3://` directory) reaches the same server.
+The clients (AWS's `s3torchconnector` for data, boto3 for batched deletions; imported when first used:
+`import lightning_trn` works without them) take the region from `AWS_REGION` or `AWS_DEFAULT_REGION` and the
+endpoint from `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` when set: the variables botocore reads as well, so s3fs
+(through which Lightning's `ModelCheckpoint` lists and checks its `s3://` directory) reaches the same server.
 
 How Lightning's own save and load reach S3: its model-parallel strategies write a DCP directory to a local `Path`
 (`mkdir`, `_distributed_checkpoint_save(state, path)`, rank 0's `torch.save(meta, path / "meta.pt")`) and read it the
@@ -41,6 +49,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -48,13 +57,22 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from lightning_trn.core.checkpoint import leases
+
+log = logging.getLogger(__name__)
 
 S3_SCHEME = "s3://"
 #: the object that makes a version the checkpoint
 COMMIT_OBJECT = "commit.json"
+#: the key in a commit object that says lightning_trn wrote it
+COMMIT_FORMAT = "lightning_trn_checkpoint"
+#: the writer's lease inside a version being written
+LEASE_OBJECT = f".{leases.OWNER_TAG}-lease"
 _VERSION = re.compile(r"\d{20}-[0-9a-f]{8}")
 REGION_VARIABLES = ("AWS_REGION", "AWS_DEFAULT_REGION")
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -62,6 +80,8 @@ ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 LAST_NAME = re.compile(r"last(-v?\d+)?\.ckpt")
 #: how s3torchconnector's errors say that an object is missing (its GET's and its HEAD's)
 _MISSING = ("the key does not exist", "the object was not found")
+#: DeleteObjects takes at most this many keys a request
+DELETE_BATCH = 1000
 
 
 def is_s3(path: Any) -> bool:
@@ -73,6 +93,10 @@ def _split(url: str) -> tuple[str, str]:
     """`s3://bucket/key/` -> (bucket, key), the key without a trailing slash."""
     bucket, _, key = url[len(S3_SCHEME) :].partition("/")
     return bucket, key.strip("/")
+
+
+def _join(bucket: str, key: str) -> str:
+    return f"{S3_SCHEME}{bucket}/{key}" if key else f"{S3_SCHEME}{bucket}"
 
 
 def _setting(names: tuple[str, ...]) -> str | None:
@@ -98,6 +122,13 @@ def _client_for(region: str, endpoint: str | None) -> Any:
 
 def _client() -> Any:
     return _client_for(_region(), _setting(ENDPOINT_VARIABLES))
+
+
+@functools.lru_cache(maxsize=4)
+def _batch_client_for(region: str, endpoint: str | None) -> Any:
+    import boto3  # s3torchconnector has no DeleteObjects
+
+    return boto3.client("s3", region_name=region, endpoint_url=endpoint)
 
 
 def _missing(error: Exception) -> bool:
@@ -132,6 +163,55 @@ def _delete(bucket: str, key: str) -> None:
             raise
 
 
+def delete_keys(bucket: str, keys: list[str]) -> int:
+    """Delete `keys` with DeleteObjects, `DELETE_BATCH` a request (a key already gone counts as deleted); returns the
+    number of requests."""
+    client = _batch_client_for(_region(), _setting(ENDPOINT_VARIABLES))
+    requests = 0
+    for start in range(0, len(keys), DELETE_BATCH):
+        batch = keys[start : start + DELETE_BATCH]
+        answer = client.delete_objects(
+            Bucket=bucket, Delete={"Objects": [{"Key": key} for key in batch], "Quiet": True}
+        )
+        requests += 1
+        errors = answer.get("Errors", [])
+        if errors:
+            raise OSError(f"lightning_trn: S3 did not delete {len(errors)} object(s) of {bucket}: {errors[:3]}")
+    return requests
+
+
+#: deletions that need not finish before a save returns (the previous version, a removed checkpoint): one thread,
+#: joined at interpreter exit
+_background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_trn-s3-delete")
+
+
+def _delete_later(bucket: str, keys: list[str], marker: str | None = None) -> None:
+    """Delete `keys` in the background, then `marker` (a version's lease: it marks the rest as lightning_trn's until
+    they are gone) in a request of its own."""
+    if keys:
+        _background.submit(_delete_or_warn, bucket, keys)
+    if marker is not None:
+        _background.submit(_delete_or_warn, bucket, [marker])
+
+
+def _delete_or_warn(bucket: str, keys: list[str]) -> None:
+    """A background deletion that fails leaves its objects to a later sweep, with a warning."""
+    try:
+        delete_keys(bucket, keys)
+    except Exception as error:  # noqa: BLE001  # a background thread has no caller to raise to
+        log.warning(
+            "lightning_trn: could not delete %d object(s) of s3://%s (%s); a later sweep deletes them.",
+            len(keys),
+            bucket,
+            error,
+        )
+
+
+def wait_for_deletions() -> None:
+    """Wait for the background deletions submitted so far (tests, benchmarks)."""
+    _background.submit(lambda: None).result()
+
+
 def _keys(bucket: str, prefix: str) -> list[str]:
     return [info.key for page in _client().list_objects(bucket, prefix) for info in page.object_info]
 
@@ -142,11 +222,27 @@ def _children(bucket: str, prefix: str) -> list[str]:
     return [child.rstrip("/").rsplit("/", 1)[-1] for page in pages for child in page.common_prefixes]
 
 
+def _decode_commit(data: bytes | None) -> str | None:
+    """The version a commit object of ours names; None for no object, or one lightning_trn did not write (a
+    `{"version": <v>}` object of lightning_trn 0.x counts as ours)."""
+    if data is None:
+        return None
+    try:
+        fields = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(fields, dict) or not _VERSION.fullmatch(str(fields.get("version", ""))):
+        return None
+    if fields.get(COMMIT_FORMAT) != 1 and set(fields) != {"version"}:
+        return None
+    return str(fields["version"])
+
+
 def committed_version(url: str) -> str | None:
-    """The version the commit object of checkpoint `url` names, or None (no commit object: not a checkpoint)."""
+    """The version the commit object of checkpoint `url` names, or None (no commit object of ours: not a
+    checkpoint)."""
     bucket, key = _split(url)
-    data = _get(bucket, f"{key}/{COMMIT_OBJECT}")
-    return None if data is None else str(json.loads(data)["version"])
+    return _decode_commit(_get(bucket, f"{key}/{COMMIT_OBJECT}"))
 
 
 def version_url(url: str, version: str) -> str:
@@ -154,31 +250,56 @@ def version_url(url: str, version: str) -> str:
     return f"{url.rstrip('/')}/{version}"
 
 
+def _abandoned(bucket: str, key: str, version: str, commit_is_ours: bool) -> bool:
+    """Whether uncommitted `version` of checkpoint `key` may be deleted (module docstring: ownership)."""
+    lease = _get(bucket, f"{key}/{version}/{LEASE_OBJECT}")
+    if lease is not None:
+        record = leases.LeaseRecord.decode(lease)
+        return record is not None and (leases.writer().owns(record.writer) or not leases.is_live(record))
+    written = int(version.split("-", 1)[0]) / 1e9
+    return commit_is_ours and time.time() - written > leases.EXPIRY_S
+
+
 def discard_uncommitted(url: str) -> None:
-    """Delete every version of checkpoint `url` that its commit object does not name (what killed saves and
-    replaced saves left; one process)."""
+    """Delete every version of checkpoint `url` that its commit object does not name and whose writer is gone (what
+    killed saves left; module docstring), in batches."""
     bucket, key = _split(url)
-    committed = committed_version(url)
+    commit = _get(bucket, f"{key}/{COMMIT_OBJECT}")
+    committed = _decode_commit(commit)
+    by_version: dict[str, list[str]] = {}
     for name in _keys(bucket, f"{key}/"):
         version = name[len(key) + 1 :].split("/", 1)[0]
         if _VERSION.fullmatch(version) and version != committed:
-            _delete(bucket, name)
+            by_version.setdefault(version, []).append(name)
+    doomed = [
+        name
+        for version, names in sorted(by_version.items())
+        if _abandoned(bucket, key, version, committed is not None)
+        for name in names
+    ]
+    if doomed:
+        delete_keys(bucket, doomed)
 
 
 def sweep(directory: str) -> None:
-    """`discard_uncommitted` in every checkpoint of `directory` (rank 0, before a resume chooses a checkpoint)."""
+    """`discard_uncommitted` in every checkpoint of `directory` (rank 0, before a training resume)."""
     bucket, key = _split(directory)
     for name in _children(bucket, key):
-        discard_uncommitted(f"{S3_SCHEME}{bucket}/{key}/{name}" if key else f"{S3_SCHEME}{bucket}/{name}")
+        discard_uncommitted(_join(bucket, f"{key}/{name}" if key else name))
 
 
 def remove(url: str) -> None:
-    """Delete checkpoint `url` (one process): the commit object first, so a kill during the rest leaves nothing
-    visible."""
+    """Delete checkpoint `url` (one process): the commit object first, so the rest is invisible at once; the rest in
+    the background (its version's prefix, which no later save reuses), marked first with this process's lease record
+    so that a kill before the deletion ends leaves it to a later sweep."""
     bucket, key = _split(url)
+    version = _decode_commit(_get(bucket, f"{key}/{COMMIT_OBJECT}"))
+    if version is None:
+        return  # no checkpoint of ours under that name
+    lease = f"{key}/{version}/{LEASE_OBJECT}"
+    _put(bucket, lease, leases.writer().record().encode())
     _delete(bucket, f"{key}/{COMMIT_OBJECT}")
-    for name in _keys(bucket, f"{key}/"):
-        _delete(bucket, name)
+    _delete_later(bucket, [name for name in _keys(bucket, f"{key}/{version}/") if name != lease], marker=lease)
 
 
 def newest_committed(directories: Iterable[str], name: re.Pattern[str] = LAST_NAME) -> str | None:
@@ -188,7 +309,7 @@ def newest_committed(directories: Iterable[str], name: re.Pattern[str] = LAST_NA
         bucket, key = _split(directory)
         for child in _children(bucket, key):
             if name.fullmatch(child):
-                url = f"{S3_SCHEME}{bucket}/{key}/{child}" if key else f"{S3_SCHEME}{bucket}/{child}"
+                url = _join(bucket, f"{key}/{child}" if key else child)
                 version = committed_version(url)
                 if version is not None:
                     found.append((version, url))
@@ -240,6 +361,11 @@ def redirect_target(path: Any) -> str | None:
     return redirect.target
 
 
+def _target_of(shadow: str) -> str:
+    """The S3 version of a save's or load's shadow directory."""
+    return _redirects[os.path.abspath(shadow)].target
+
+
 @contextmanager
 def redirected(shadow: str, target: str) -> Iterator[str]:
     """DCP reads and writes of `shadow` go to S3 version `target` for the block; it raises if none did (the hooks
@@ -263,28 +389,49 @@ def new_version() -> str:
     return f"{time.time_ns():020d}-{secrets.token_hex(4)}"
 
 
+def _version_lease(target: str) -> AbstractContextManager[None]:
+    """This process's lease on the version `target` while it is written (module docstring)."""
+    bucket, key = _split(target)
+    lease = f"{key}/{LEASE_OBJECT}"
+    return leases.writer().hold(
+        target, lambda data: _put(bucket, lease, data), lambda: _delete(bucket, lease), keep_on_error=True
+    )
+
+
+def _commit(url: str, version: str) -> None:
+    """Make `version` checkpoint `url` (rank 0, every file of it written): the commit object, then the previous
+    version deleted in the background."""
+    bucket, key = _split(url)
+    previous = committed_version(url)
+    _put(bucket, f"{key}/{COMMIT_OBJECT}", json.dumps({COMMIT_FORMAT: 1, "version": version}).encode())
+    if previous is not None and previous != version:
+        _delete_later(bucket, _keys(bucket, f"{key}/{previous}/"))
+
+
 @contextmanager
-def staged_upload(
-    url: str, rank: int, gather: Callable[[Any], list[Any]], barrier: Callable[[], None]
-) -> Iterator[str]:
+def staged_upload(url: str, rank: int, broadcast: Callable[[Any], Any], barrier: Callable[[], None]) -> Iterator[str]:
     """Every rank saves its part of the sharded checkpoint `url` into the local directory this yields; its DCP files
     go to a new version in S3, and on leaving the block, once every rank is done, rank 0 uploads the rest (`meta.pt`)
-    and writes the commit object, then deletes the previous version. A rank that raises commits nothing.
+    and writes the commit object. A rank that raises commits nothing.
 
     Args:
         url: `s3://bucket/prefix/<name>`.
-        rank: this process's global rank; rank 0 cleans up, uploads and commits.
-        gather: every rank's object in rank order (an all-gather; rank 0's version reaches every rank).
+        rank: this process's global rank; rank 0 cleans up, holds the version's lease, uploads and commits.
+        broadcast: rank 0's object on every rank (the version; it also waits for rank 0's lease).
         barrier: waits for every rank.
     """
     url = url.rstrip("/")
-    if rank == 0:
-        discard_uncommitted(url)  # what a killed save into this checkpoint left
-    version = gather(new_version() if rank == 0 else None)[0]
-    target = version_url(url, version)
-    shadow = shadow_directory(target)
-    os.makedirs(shadow, exist_ok=True)
-    try:
+    with contextlib.ExitStack() as held:
+        version = None
+        if rank == 0:
+            discard_uncommitted(url)  # what a killed save into this checkpoint left
+            version = new_version()
+            held.enter_context(_version_lease(version_url(url, version)))
+        version = broadcast(version)
+        target = version_url(url, version)
+        shadow = shadow_directory(target)
+        os.makedirs(shadow, exist_ok=True)
+        held.callback(shutil.rmtree, shadow, True)
         with redirected(shadow, target):
             yield shadow
         barrier()
@@ -295,12 +442,8 @@ def staged_upload(
                     local = os.path.join(root, name)
                     with open(local, "rb") as file:
                         _put(bucket, f"{key}/{os.path.relpath(local, shadow)}", file.read())
-            checkpoint_bucket, checkpoint_key = _split(url)
-            _put(checkpoint_bucket, f"{checkpoint_key}/{COMMIT_OBJECT}", json.dumps({"version": version}).encode())
-            discard_uncommitted(url)  # the previous version
-        barrier()
-    finally:
-        shutil.rmtree(shadow, ignore_errors=True)
+            _commit(url, version)
+        barrier()  # every rank's shadow stays until rank 0 uploaded from its own (the ranks of a host share it)
 
 
 def read_committed_version(url: str) -> str:
@@ -308,9 +451,10 @@ def read_committed_version(url: str) -> str:
     version = committed_version(url.rstrip("/"))
     if version is None:
         raise FileNotFoundError(
-            f"lightning_trn: {url} is no committed checkpoint: it has no `{COMMIT_OBJECT}`, the object a sharded save "
-            "to S3 writes last. Either nothing was saved there, or the save was interrupted before it finished (its "
-            "objects are deleted by the next save there and before a resume from its directory)."
+            f"lightning_trn: {url} is no committed checkpoint: it has no `{COMMIT_OBJECT}` written by lightning_trn, "
+            "the object a sharded save to S3 writes last. Either nothing was saved there, or the save was interrupted "
+            "before it finished (its objects are deleted by the next save there and before a training resume from its "
+            "directory)."
         )
     return version
 
@@ -342,14 +486,30 @@ def committed_source(url: str, barrier: Callable[[], None]) -> Iterator[str]:
             shutil.rmtree(shadow)
 
 
+def copy_checkpoint(source: str, url: str, replace: dict[str, bytes]) -> None:
+    """Make `url` a second committed checkpoint of the files of committed checkpoint `source` (rank 0): each object
+    copied by S3 itself (CopyObject: no byte passes through this host), the objects of `replace` written instead,
+    then committed."""
+    source_bucket, source_key = _split(version_url(source, read_committed_version(source)))
+    version = new_version()
+    target = version_url(url.rstrip("/"), version)
+    bucket, key = _split(target)
+    with _version_lease(target):
+        for name in _keys(source_bucket, f"{source_key}/"):
+            relative = name[len(source_key) + 1 :]
+            if relative not in replace and relative != LEASE_OBJECT:
+                _client().copy_object(source_bucket, name, bucket, f"{key}/{relative}")
+        for relative, data in replace.items():
+            _put(bucket, f"{key}/{relative}", data)
+        _commit(url.rstrip("/"), version)
+
+
 def refusal(directory: str, writes_dcp: bool, async_save: bool) -> str | None:
-    """Why a sharded checkpoint cannot go to remote `directory` (None: it can): only DCP directories go to S3, and
+    """Why a sharded checkpoint cannot go to `directory` in S3 (None: it can): only DCP directories go to S3, and
     synchronously."""
-    if is_s3(directory) and writes_dcp and not async_save:
+    if writes_dcp and not async_save:
         return None
-    if not is_s3(directory):
-        what = f"{directory} is not an S3 location"
-    elif not writes_dcp:
+    if not writes_dcp:
         what = (
             "this strategy's sharded checkpoints are ZeRO-1 directories (one `zero1-rank<r>.pt` per rank, written "
             "through the local filesystem), which have no S3 writer"
@@ -364,3 +524,58 @@ def refusal(directory: str, writes_dcp: bool, async_save: bool) -> str | None:
         "synchronous saves). Save this run's checkpoints to a filesystem every node mounts (FSx for Lustre, EFS), or "
         "write one-file checkpoints, which rank 0 writes alone (`state_dict_type='full'`), to S3."
     )
+
+
+class S3Storage:
+    """Checkpoints in S3 (module docstring): every `s3://` path."""
+
+    name = "s3"
+
+    def claims(self, path: str) -> bool:
+        return is_s3(path)
+
+    def refusal(self, path: str, writes_dcp: bool, async_save: bool) -> str | None:
+        return refusal(path, writes_dcp, async_save)
+
+    def check_shared(self, directory: str, rank: int, gather: Callable[[Any], list[Any]]) -> None:
+        """Every rank reaches the same bucket."""
+
+    def save_destination(
+        self,
+        path: str,
+        rank: int,
+        broadcast: Callable[[Any], Any],
+        barrier: Callable[[], None],
+        defer: Callable[[Callable[[], None]], None] | None,
+    ) -> AbstractContextManager[str]:
+        return staged_upload(path, rank, broadcast, barrier)
+
+    def load_source(self, path: str, barrier: Callable[[], None]) -> AbstractContextManager[str]:
+        return committed_source(path, barrier)
+
+    def write_file(self, destination: str, name: str, data: bytes) -> None:
+        """Upload one rank's file `name` into the version a save's shadow `destination` stands for."""
+        bucket, key = _split(_target_of(destination))
+        _put(bucket, f"{key}/{name}", data)
+
+    def read_file(self, source: str, name: str) -> bytes | None:
+        bucket, key = _split(_target_of(source))
+        return _get(bucket, f"{key}/{name}")
+
+    def link(self, source: str, path: str, replace: dict[str, bytes]) -> None:
+        copy_checkpoint(source, path, replace)
+
+    def remove(self, path: str) -> None:
+        remove(path)
+
+    def recover(self, directories: list[str], rank: int, barrier: Callable[[], None] | None) -> None:
+        if rank == 0:
+            for directory in sorted(set(directories)):
+                sweep(directory)
+        if barrier is not None:
+            barrier()
+
+    def newest_last(self, directories: list[str]) -> str | None:
+        """Lightning's own "last" lists a directory through fsspec, whose S3 names lack the `s3://` (so it never finds
+        one), and would count a checkpoint whose save was killed before its commit object."""
+        return newest_committed(directories)

@@ -1,39 +1,44 @@
-"""Atomic sharded checkpoints: a directory that every rank writes part of replaces the previous one whole, or not at
-all.
+"""Checkpoints on a filesystem (`LocalStorage`): a directory that every rank writes part of replaces the previous one
+whole, or not at all, and nothing but lightning_trn's own entries is ever renamed or deleted.
 
 A sharded checkpoint `<parent>/<name>` (a torch.distributed.checkpoint directory of the model-parallel and FSDP
 strategies, a ZeRO-1 directory of `state_dict_type="sharded"`) is never written in place: its shard offsets are the
 same from save to save, so a directory holding one rank's file from the new save and another's from the previous one
-would load without an error, a silent mix of two steps. The protocol (`staged_directory`):
+would load without an error, a silent mix of two steps. The protocol (`staged_directory`), with `W` the id of the
+committing process (`leases.Writer`), whose lease `<parent>/.lightning_trn-lease-W` is held from step 1 to the end
+of step 3:
 
-1. Rank 0 finishes what an interrupted commit or deletion left in `<parent>` (`recover_all`), deletes what a killed
-   save left in the staging directory `<parent>/.<name>.partial` and creates it empty. Barrier.
+1. Rank 0 takes its lease, finishes what dead writers left in `<parent>` (`recover_all`), and creates the staging
+   directory `<parent>/.<name>.lightning_trn-W.partial`. Barrier.
 2. Every rank writes its files into the staging directory. Barrier: the save is complete.
 3. Rank 0 commits: fsync the files no writer synced and the staging directory (`sync_unsynced`); swap it with
    `<name>` in one atomic step (`renameat2` with `RENAME_EXCHANGE`, Linux: ext4, XFS, btrfs, tmpfs...) or rename it
    to `<name>` when there was none; fsync `<parent>`; delete the previous checkpoint, now under the staging name.
    Where the system or filesystem cannot exchange (NFS and Lustre reject the flag with EINVAL; macOS), two renames:
-   `<name>` to `.<name>.old`, the staging directory to `<name>`; fsync `<parent>`; delete `.<name>.old`.
+   `<name>` to `.<name>.lightning_trn-W.old`, the staging directory to `<name>`; fsync `<parent>`; delete the old copy.
+   Then the lease is released.
 
-What a save syncs: each file once, by the rank that wrote it. The writers sync their own files before the barrier
-(`SYNCED_BY_WRITER`: DCP's `FileSystemWriter` with `sync_files`, on by default; `atomic_local_save`, which writes
-ZeRO-1's files); rank 0 syncs the rest (Lightning's `meta.pt` beside DCP's shards, a file of a writer not known
-here) and the directories it creates and renames. A save on W ranks costs O(W) fsyncs (benchmarks/
-checkpoint_syscalls.py counts them); every rank syncing every file of the directory cost O(W^2).
+**Ownership.** Only names of the form `.<name>.lightning_trn-<16 hex>[-<8 hex>].{partial,old,removing}` and lease
+files `.lightning_trn-lease-<16 hex>` holding a lease record are ever renamed or deleted by recovery; a user's
+`.notes.old`, `y.removing` or `.z.partial` are never touched. **Concurrency.** Another process (a second job, an
+evaluation job, the next run after a crash) acts on writer W's entries only when W is proven gone
+(`leases.is_live`: its process gone on this host, or its lease not renewed for `leases.EXPIRY_S` seconds, or no
+lease): a live writer between its two renames is never undone under it.
 
-What a kill leaves, at any moment: `<name>` complete, the previous save's or the new one's; and maybe a hidden
-`.<name>.partial` or `.<name>.old`, which `ModelCheckpoint` and `ckpt_path="last"` never pick (not a `.ckpt` suffix).
-The one exception is the two-rename fallback killed between its renames: `<name>` missing, `.<name>.old` the previous
-complete checkpoint. `recover(path)` puts it back; the next save into `<parent>` runs it first, and a resume does
-before it chooses a checkpoint (`recover_before_resume`: the Trainer's `ckpt_path`, `lightning_trn.hooks.resume`;
-Fabric's `load`).
+What syncs: each file once, by the rank that wrote it (`SYNCED_BY_WRITER`: DCP's `FileSystemWriter` with
+`sync_files`; `atomic_local_save`, ZeRO-1's files); rank 0 the rest and the directories it creates and renames: O(W)
+fsyncs per save on W ranks (benchmarks/checkpoint_syscalls.py).
 
-Deleting a previous copy never fails a save whose commit is done: where it cannot be deleted (a file still open
-leaves an `.nfs*` file behind on NFS, EBUSY, permissions), it is moved to `.<name>.<token>.removing` with a warning,
-and the next save's `recover_all` deletes it. Deleting a checkpoint directory (`remove`, ModelCheckpoint's
-`save_top_k`) renames it to a hidden name first, so a kill mid-delete never leaves a partial directory under a
-checkpoint's name. `recover` and `recover_all` are idempotent, and safe while another process runs them on the same
-directory (what the other one renamed or deleted first is skipped).
+What a kill leaves, at any moment: `<name>` complete, the previous save's or the new one's; and maybe the killed
+writer's hidden staging or old copy, which `ModelCheckpoint` and `ckpt_path="last"` never pick (no `.ckpt` suffix).
+The one exception is the two-rename fallback killed between its renames: `<name>` missing, the old copy the previous
+complete checkpoint. Once its writer is proven gone, the next save into `<parent>` or a resume puts it back
+(`recover_before_resume`: the Trainer's fit, `lightning_trn.hooks.resume`; Fabric's `load`).
+
+Deleting a previous copy never fails a save whose commit is done: where it cannot be deleted (an `.nfs*` file on NFS,
+EBUSY, permissions), it is moved to `.<name>.lightning_trn-W-<token>.removing` with a warning, and a later recovery
+deletes it. Deleting a checkpoint directory (`remove`, ModelCheckpoint's `save_top_k`) renames it to a hidden name
+first, so a kill mid-delete never leaves a partial directory under a checkpoint's name.
 """
 
 from __future__ import annotations
@@ -50,25 +55,33 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
 
-from lightning_trn.core.checkpoint import s3_checkpoint
-from lightning_trn.core.checkpoint.checkpoint_file import fsync_directory
+from lightning_trn.core.checkpoint import leases
+from lightning_trn.core.checkpoint.checkpoint_file import atomic_local_write, fsync_directory
+from lightning_trn.core.checkpoint.shared_storage import check_shared_directory
 
 log = logging.getLogger(__name__)
 
 STAGING_SUFFIX = ".partial"
 ASIDE_SUFFIX = ".old"
 _REMOVING_SUFFIX = ".removing"
-#: the name a copy that could not be deleted is moved to (`_delete_copy`)
-_SET_ASIDE = re.compile(r"\..+\.[0-9a-f]{8}" + re.escape(_REMOVING_SUFFIX))
+#: every entry this module creates beside a checkpoint: `.<name>.lightning_trn-<writer>[-<token>].<kind>`
+_OWNED = re.compile(
+    r"\.(?P<name>.+)\." + leases.OWNER_TAG + r"-(?P<writer>[0-9a-f]{16})(?:-(?P<token>[0-9a-f]{8}))?"
+    r"\.(?P<kind>partial|old|removing)"
+)
+_LEASE = re.compile(r"\." + leases.OWNER_TAG + r"-lease-(?P<writer>[0-9a-f]{16})")
 #: the files of a sharded checkpoint that their writer fsyncs itself, before the save's barrier: DCP's shards
 #: `__<rank>_<n>.distcp` and `.metadata` (`FileSystemWriter(sync_files=True)`, what Lightning's save uses), ZeRO-1's
-#: `zero1-rank<r>.pt` (`lightning_trn.core.parallel.zero1.chunk_file`, written by `atomic_local_save`)
-SYNCED_BY_WRITER = re.compile(r"__\d+_\d+\.distcp|\.metadata|zero1-rank\d+\.pt")
-#: how long the other ranks of a Trainer wait for rank 0 to put back an interrupted commit before a resume
+#: `zero1-rank<r>.pt` (`lightning_trn.core.parallel.zero1.chunk_file`, written by `atomic_local_save`), each rank's
+#: random state (`atomic_local_write`)
+SYNCED_BY_WRITER = re.compile(r"__\d+_\d+\.distcp|\.metadata|zero1-rank\d+\.pt|random-state-rank\d+\.pt")
+#: how long the ranks of a resume wait for an interrupted commit to be put back (by its live writer finishing, or by
+#: rank 0 once that writer is proven gone: `leases.EXPIRY_S` at most)
 RECOVERY_TIMEOUT_S = 300.0
 _RECOVERY_POLL_S = 0.1
 
@@ -78,14 +91,43 @@ _RENAME_EXCHANGE = 2
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
-def _sibling(path: str, suffix: str) -> str:
+def _owned_name(path: str, suffix: str, writer: str | None = None, token: str | None = None) -> str:
+    """`.<name>.lightning_trn-<writer>[-<token>]<suffix>` beside `path`, `writer` this process's by default."""
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}{suffix}")
+    owner = f"{leases.OWNER_TAG}-{writer or leases.writer().id}" + (f"-{token}" if token else "")
+    return os.path.join(directory, f".{name}.{owner}{suffix}")
 
 
 def staging_path(path: _PATH) -> str:
-    """The hidden directory a sharded save of `path` writes into before it becomes `path`."""
-    return _sibling(os.path.abspath(os.fspath(path)), STAGING_SUFFIX)
+    """The hidden directory this process's sharded save of `path` writes into before it becomes `path`."""
+    return _owned_name(os.path.abspath(os.fspath(path)), STAGING_SUFFIX)
+
+
+def aside_path(path: _PATH, writer: str | None = None) -> str:
+    """Where the two-rename commit of `writer` (this process by default) sets the previous `path` aside."""
+    return _owned_name(os.path.abspath(os.fspath(path)), ASIDE_SUFFIX, writer)
+
+
+def _lease_path(directory: str, writer: str) -> str:
+    return os.path.join(directory, f".{leases.OWNER_TAG}-lease-{writer}")
+
+
+def _lease(directory: str) -> AbstractContextManager[None]:
+    """This process's lease on `directory` for the block (module docstring)."""
+    path = _lease_path(directory, leases.writer().id)
+    return leases.writer().hold(path, lambda data: atomic_local_write(data, path, sync=False), lambda: os.remove(path))
+
+
+def _writer_gone(directory: str, writer: str) -> bool:
+    """Whether `writer`'s entries in `directory` may be finished or deleted by this process (module docstring)."""
+    if leases.writer().owns(writer):
+        return True
+    try:
+        with open(_lease_path(directory, writer), "rb") as file:
+            record = leases.LeaseRecord.decode(file.read())
+    except FileNotFoundError:
+        return True
+    return not leases.is_live(record)
 
 
 def _renameat2() -> Callable[..., int] | None:
@@ -133,24 +175,25 @@ def _discard(path: str) -> None:
 
 
 def _delete_copy(target: str, checkpoint: str) -> None:
-    """Delete `target`, a previous copy of `checkpoint` or a leftover of one, without ever raising: where that fails,
-    `target` moves to `.<name>.<token>.removing` (its own name is then free for the next save) and a warning says so;
-    `recover_all`, which the next save into the directory runs, tries again."""
+    """Delete `target`, one of this module's entries beside `checkpoint`, without ever raising: where that fails,
+    `target` moves to `.<name>.lightning_trn-<writer>-<token>.removing` (its own name is then free for the next save)
+    and a warning says so; a later recovery tries again."""
     try:
         _discard(target)
         return
     except OSError as error:
         reason = error
     left = target
-    if not _SET_ASIDE.fullmatch(os.path.basename(target)):
-        set_aside = _sibling(checkpoint, f".{uuid.uuid4().hex[:8]}{_REMOVING_SUFFIX}")
+    owned = _OWNED.fullmatch(os.path.basename(target))
+    if owned is None or owned["kind"] != "removing":
+        set_aside = _owned_name(checkpoint, _REMOVING_SUFFIX, token=uuid.uuid4().hex[:8])
         try:
             os.rename(target, set_aside)
             left = set_aside
         except OSError:
             pass
     log.warning(
-        "lightning_trn: could not delete %s (%s); it is left as %s and deleted by the next save into %s.",
+        "lightning_trn: could not delete %s (%s); it is left as %s and deleted by a later save into or resume from %s.",
         target,
         reason,
         left,
@@ -176,103 +219,103 @@ def sync_unsynced(staging: str) -> None:
         fsync_directory(root)
 
 
-def recover(path: _PATH) -> None:
-    """Finish what a kill during a commit or a removal of `path` left.
-
-    `.<name>.old` with `<name>` present: the commit was done, delete the old copy. `.<name>.old` without `<name>`: the
-    two-rename commit died between its renames, so put the previous complete checkpoint back. A leftover
-    `.<name>.removing` is deleted. Idempotent; another process running it at the same time is harmless.
-    """
-    path = os.path.abspath(os.fspath(path))
-    aside = _sibling(path, ASIDE_SUFFIX)
-    if os.path.lexists(aside):
-        if os.path.lexists(path):
-            _delete_copy(aside, path)
-        else:
-            with contextlib.suppress(FileNotFoundError):  # another process put it back first
-                os.rename(aside, path)
-            fsync_directory(os.path.dirname(path))
-    _delete_copy(_sibling(path, _REMOVING_SUFFIX), path)
+def _finish(directory: str, entry: str, match: re.Match[str]) -> None:
+    """Finish one dead writer's entry: an old copy is put back where its checkpoint is missing (a two-rename commit
+    killed between its renames) and deleted otherwise; staging and removal leftovers are deleted."""
+    path = os.path.join(directory, entry)
+    checkpoint = os.path.join(directory, match["name"])
+    if match["kind"] == "old" and not os.path.lexists(checkpoint):
+        with contextlib.suppress(FileNotFoundError):  # another process put it back first
+            os.rename(path, checkpoint)
+        fsync_directory(directory)
+        return
+    _delete_copy(path, checkpoint)
 
 
 def recover_all(directory: _PATH) -> None:
-    """`recover` every checkpoint of `directory` that a killed commit left aside, and delete every copy waiting to be
-    deleted (`.<name>.removing`, `.<name>.<token>.removing`)."""
+    """Finish what dead writers left in `directory` (module docstring): only lightning_trn's own entries, only those
+    of writers proven gone; then delete those writers' lease files. Idempotent; other processes running it at the
+    same time are harmless (what another renamed or deleted first is skipped)."""
     directory = os.path.abspath(os.fspath(directory))
     try:
-        entries = os.listdir(directory)
+        entries = sorted(os.listdir(directory))
     except (FileNotFoundError, NotADirectoryError):
         return
+    gone: dict[str, bool] = {}
+
+    def writer_gone(writer: str) -> bool:
+        if writer not in gone:
+            gone[writer] = _writer_gone(directory, writer)
+        return gone[writer]
+
     for entry in entries:
-        if not entry.startswith("."):
-            continue
-        if entry.endswith(ASIDE_SUFFIX):
-            recover(os.path.join(directory, entry[1 : -len(ASIDE_SUFFIX)]))
-        elif entry.endswith(_REMOVING_SUFFIX):
-            _delete_copy(os.path.join(directory, entry), os.path.join(directory, entry[1 : -len(_REMOVING_SUFFIX)]))
+        match = _OWNED.fullmatch(entry)
+        if match is not None and writer_gone(match["writer"]):
+            _finish(directory, entry, match)
+    for entry in entries:
+        lease = _LEASE.fullmatch(entry)
+        if lease is not None and not leases.writer().owns(lease["writer"]) and writer_gone(lease["writer"]):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, entry))
+
+
+def recover(path: _PATH) -> None:
+    """`recover_all` on the directory of checkpoint `path`."""
+    recover_all(os.path.dirname(os.path.abspath(os.fspath(path))))
 
 
 def interrupted_commits(directory: _PATH) -> list[str]:
-    """The checkpoints of `directory` that a two-rename commit killed between its renames left without their name
-    (`.<name>.old` and no `<name>`): what `recover` puts back."""
+    """The checkpoints of `directory` that a two-rename commit left without their name, by any writer (its old copy
+    and no `<name>`): what a resume waits for (the live writer finishes, or recovery puts it back)."""
     try:
         entries = set(os.listdir(directory))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    names = (
-        entry[1 : -len(ASIDE_SUFFIX)] for entry in entries if entry.startswith(".") and entry.endswith(ASIDE_SUFFIX)
-    )
+    names = {m["name"] for m in map(_OWNED.fullmatch, entries) if m is not None and m["kind"] == "old"}
     return sorted(os.path.join(os.fspath(directory), name) for name in names if name not in entries)
 
 
-def recover_before_resume(
-    directories: Iterable[_PATH],
-    rank: int,
-    barrier: Callable[[], None] | None = None,
-    timeout_s: float = RECOVERY_TIMEOUT_S,
+def recover_local(
+    directories: Iterable[str], rank: int, barrier: Callable[[], None] | None, timeout_s: float = RECOVERY_TIMEOUT_S
 ) -> None:
-    """Before a checkpoint is chosen or loaded from `directories`: rank 0 runs `recover_all` on each local one ("" is
-    the working directory), and deletes what killed saves left in each `s3://` one (`s3_checkpoint.sweep`); the
-    other ranks wait for it, at `barrier` (Fabric's `load`), or, where no process group exists yet (the Trainer
-    resolves `ckpt_path` before its strategy's setup), by watching the directories until no checkpoint there is left
-    aside without its name.
+    """Before a checkpoint is chosen or loaded from the local `directories`: rank 0 runs `recover_all` on each until
+    no checkpoint there is left without its name; the other ranks wait for it, at `barrier` (Fabric's `load`), or,
+    where no process group exists yet (the Trainer resolves `ckpt_path` before its strategy's setup), by watching the
+    directories the same way.
 
     Raises:
-        TimeoutError: a rank other than 0 still saw an interrupted commit after `timeout_s` seconds.
+        TimeoutError: a checkpoint was still left aside after `timeout_s` seconds.
     """
-    names = [os.fspath(d) for d in directories]
-    local = sorted({os.path.abspath(name) for name in names if "://" not in name})
+    local = sorted({os.path.abspath(name) for name in directories})
     if rank == 0:
-        for directory in local:
-            recover_all(directory)
-        for remote in sorted({name for name in names if s3_checkpoint.is_s3(name)}):
-            s3_checkpoint.sweep(remote)
+        _wait_for_recovery(local, rank, timeout_s, recover=True)
     if barrier is not None:
         barrier()
-        return
-    if rank != 0:
-        _wait_for_recovery(local, rank, timeout_s)
+    elif rank != 0:
+        _wait_for_recovery(local, rank, timeout_s, recover=False)
 
 
-def _wait_for_recovery(directories: list[str], rank: int, timeout_s: float) -> None:
+def _wait_for_recovery(directories: list[str], rank: int, timeout_s: float, recover: bool) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
+        if recover:
+            for directory in directories:
+                recover_all(directory)
         pending = [path for directory in directories for path in interrupted_commits(directory)]
         if not pending:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"lightning_trn: rank {rank} waited {timeout_s:.0f} s for rank 0 to put back the checkpoints "
-                f"{pending} (a save killed between its two renames left them as `.<name>{ASIDE_SUFFIX}`); rank 0 "
-                "runs `lightning_trn.core.checkpoint.sharded_save.recover_all` on them before a resume."
+                f"lightning_trn: rank {rank} waited {timeout_s:.0f} s for the checkpoints {pending} to be put back: a "
+                "save between its two renames left them aside, and its writer still holds its lease there (it is "
+                "live, or was on another host less than lightning_trn.core.checkpoint.leases.EXPIRY_S seconds ago)."
             )
         time.sleep(_RECOVERY_POLL_S)
 
 
 def _prepare(path: str, staging: str) -> None:
-    """Step 1 (rank 0): see the module docstring."""
+    """Step 1 (rank 0, holding the lease): see the module docstring."""
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
     recover_all(parent)
     _delete_copy(staging, path)
     os.mkdir(staging)
@@ -289,7 +332,7 @@ def _commit(staging: str, path: str) -> None:
     if os.path.isdir(path) and _exchange(staging, path):
         previous = staging
     else:  # no exchange here, or `path` is a file (a full checkpoint saved there before)
-        previous = _sibling(path, ASIDE_SUFFIX)
+        previous = aside_path(path)
         os.rename(path, previous)
         os.rename(staging, path)
     fsync_directory(parent)
@@ -300,9 +343,23 @@ def _no_commit() -> None:
     """The commit of a rank other than 0: rank 0 commits for all."""
 
 
+def _released(commit: Callable[[], None], lease: contextlib.ExitStack) -> Callable[[], None]:
+    """`commit`, then the lease released (a deferred commit runs after the save's block has left)."""
+
+    def run() -> None:
+        with lease:
+            commit()
+
+    return run
+
+
 @contextmanager
 def staged_directory(
-    path: _PATH, rank: int, barrier: Callable[[], None], defer: Callable[[Callable[[], None]], None] | None = None
+    path: _PATH,
+    rank: int,
+    barrier: Callable[[], None],
+    defer: Callable[[Callable[[], None]], None] | None = None,
+    broadcast: Callable[[Any], Any] | None = None,
 ) -> Iterator[str]:
     """Every rank saves its part of the sharded checkpoint `path` into the directory this yields; on leaving the
     block, it becomes `path` atomically once all ranks are done (module docstring). A rank that raises leaves `path`
@@ -313,23 +370,54 @@ def staged_directory(
         rank: this process's global rank; rank 0 prepares and commits.
         barrier: waits for every rank.
         defer: for a save whose writes go on after the block (`lightning_trn.core.checkpoint.async_save`): on leaving
-        the block,
-            each rank hands it the commit (step 3 on rank 0, nothing on the others) to run once its writes are done,
-            instead of the barrier and the commit.
+            the block, each rank hands it the commit (step 3 on rank 0, nothing on the others) to run once its
+            writes are done, instead of the barrier and the commit.
+        broadcast: rank 0's object on every rank: the staging directory carries rank 0's writer id. None: the ranks
+            are threads of one process (benchmarks, tests), which share it.
     """
-    if "://" in os.fspath(path):
-        raise ValueError(f"Sharded checkpoints are written to local directories, not {path}.")
     path = os.path.abspath(os.fspath(path))
-    staging = staging_path(path)
+    lease = contextlib.ExitStack()
     if rank == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lease.enter_context(_lease(os.path.dirname(path)))
+    with contextlib.ExitStack() as held:
+        held.push(lease)  # released on leaving, unless a deferred commit took it over
+        if rank == 0:
+            _prepare(path, staging_path(path))
+        if broadcast is None:
+            barrier()
+            staging = staging_path(path)
+        else:  # also waits for rank 0's staging directory
+            staging = broadcast(staging_path(path) if rank == 0 else None)
+        yield staging
+        if defer is not None:
+            defer(_released(functools.partial(_commit, staging, path), held.pop_all()) if rank == 0 else _no_commit)
+            return
+        barrier()
+        if rank == 0:
+            _commit(staging, path)
+
+
+def link_checkpoint(source: str, path: str, replace: dict[str, bytes]) -> None:
+    """Make `path` a second committed name of the checkpoint directory `source` (rank 0): its files hard-linked (copied
+    where the filesystem has no hard links) into a staging directory, the files of `replace` written instead, then
+    committed as a save is. No byte of the shards is written again."""
+    path = os.path.abspath(path)
+    with _lease(os.path.dirname(path)):
+        staging = staging_path(path)
         _prepare(path, staging)
-    barrier()
-    yield staging
-    if defer is not None:
-        defer(functools.partial(_commit, staging, path) if rank == 0 else _no_commit)
-        return
-    barrier()
-    if rank == 0:
+        for root, _, files in os.walk(source):
+            relative = os.path.relpath(root, source)
+            os.makedirs(os.path.join(staging, relative), exist_ok=True)
+            for name in files:
+                if os.path.normpath(os.path.join(relative, name)) in replace:
+                    continue
+                try:
+                    os.link(os.path.join(root, name), os.path.join(staging, relative, name))
+                except OSError:  # EXDEV, EPERM, a filesystem without hard links
+                    shutil.copy2(os.path.join(root, name), os.path.join(staging, relative, name))
+        for name, data in replace.items():
+            atomic_local_write(data, os.path.join(staging, name))
         _commit(staging, path)
 
 
@@ -338,10 +426,65 @@ def remove(path: _PATH) -> None:
     directory is ever left under the checkpoint's name; what cannot be deleted then is left for `recover_all`."""
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
-        removing = _sibling(path, _REMOVING_SUFFIX)
-        _delete_copy(removing, path)
-        os.rename(path, removing)
-        fsync_directory(os.path.dirname(path))
-        _delete_copy(removing, path)
+        with _lease(os.path.dirname(path)):
+            removing = _owned_name(path, _REMOVING_SUFFIX)
+            _delete_copy(removing, path)
+            os.rename(path, removing)
+            fsync_directory(os.path.dirname(path))
+            _delete_copy(removing, path)
         return
     _discard(path)
+
+
+class LocalStorage:
+    """Checkpoints on a filesystem (module docstring): every path that no other storage claims."""
+
+    name = "filesystem"
+
+    def claims(self, path: str) -> bool:
+        return True
+
+    def refusal(self, path: str, writes_dcp: bool, async_save: bool) -> str | None:
+        """Every layout and asynchronous saves are written here."""
+        return None
+
+    def check_shared(self, directory: str, rank: int, gather: Callable[[Any], list[Any]]) -> None:
+        """Refuse a sharded checkpoint directory that not every rank sees (`shared_storage`)."""
+        check_shared_directory(os.path.abspath(directory), rank, gather)
+
+    def save_destination(
+        self,
+        path: str,
+        rank: int,
+        broadcast: Callable[[Any], Any],
+        barrier: Callable[[], None],
+        defer: Callable[[Callable[[], None]], None] | None,
+    ) -> AbstractContextManager[str]:
+        return staged_directory(path, rank, barrier, defer, broadcast)
+
+    def load_source(self, path: str, barrier: Callable[[], None]) -> AbstractContextManager[str]:
+        return contextlib.nullcontext(path)
+
+    def write_file(self, destination: str, name: str, data: bytes) -> None:
+        """Write one rank's file `name` into the save's `destination` (a staging directory)."""
+        atomic_local_write(data, os.path.join(destination, name))
+
+    def read_file(self, source: str, name: str) -> bytes | None:
+        try:
+            with open(os.path.join(source, name), "rb") as file:
+                return file.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def link(self, source: str, path: str, replace: dict[str, bytes]) -> None:
+        link_checkpoint(source, path, replace)
+
+    def remove(self, path: str) -> None:
+        remove(path)
+
+    def recover(self, directories: list[str], rank: int, barrier: Callable[[], None] | None) -> None:
+        recover_local(directories, rank, barrier)
+
+    def newest_last(self, directories: list[str]) -> str | None:
+        """Lightning's own "last" lookup serves filesystems."""
+        return None

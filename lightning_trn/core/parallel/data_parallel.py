@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO, atomic_local_save, to_portable
+from lightning_trn.core.checkpoint.checkpointer import CheckpointLayout
 from lightning_trn.core.parallel.process_group import ProcessGroup
 from lightning_trn.core.parallel.zero1 import (
     SHARDED_MAIN_FILE,
@@ -129,15 +130,15 @@ class DataParallelCore(CoreMixinBase):
             self.collectives.reduce_gradients(gradients)
 
     @override
-    def _saves_sharded(self) -> bool:
-        return self.state_dict_type == "sharded"
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        return CheckpointLayout.ZERO1 if self.state_dict_type == "sharded" else CheckpointLayout.FILE
 
     @override
     def _split_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> tuple[dict[str, Any], Any]:
         """Sharded ZeRO-1 checkpoints are directories: this rank writes its chunks to `<path>/zero1-rank<r>.pt` now;
         rank 0 writes the rest to `<path>/checkpoint.pt` (`path`: the save's staging directory,
         `lightning_trn.core.checkpoint.sharded_save`)."""
-        if not self._saves_sharded():
+        if not self._checkpoint_layout().sharded:
             return checkpoint, path
         checkpoint, chunks = split_chunks(checkpoint)
         atomic_local_save(to_portable({"chunks": chunks}), os.path.join(path, chunk_file(self.global_rank)))

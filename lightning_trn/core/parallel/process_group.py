@@ -175,6 +175,15 @@ class ProcessGroup:
         dist.all_gather_object(gathered, obj, group=self.host_group)
         return gathered
 
+    def gather_to_first(self, obj: Any, world_size: int) -> list[Any] | None:
+        """Every rank's `obj` in rank order on rank 0 (None on the others), over the host group: O(1) bytes on every
+        rank but the first, where `gather_objects` gives all of them to every rank."""
+        if not _distributed_is_initialized():
+            return [obj]
+        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
+        dist.gather_object(obj, gathered, dst=0, group=self.host_group)
+        return gathered
+
     def barrier(self) -> None:
         if _distributed_is_initialized():
             dist.barrier(group=self.host_group)
@@ -236,6 +245,10 @@ class OneProcess(ProcessGroup):
 
     @override
     def gather_objects(self, obj: Any, world_size: int) -> list[Any]:
+        return [obj]
+
+    @override
+    def gather_to_first(self, obj: Any, world_size: int) -> list[Any] | None:
         return [obj]
 
     @override

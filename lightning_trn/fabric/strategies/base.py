@@ -30,7 +30,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trn.core.checkpoint.random_state import RANDOM_STATE_KEY
-from lightning_trn.core.checkpoint.sharded_save import recover_before_resume
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.core.parallel.gradients import clip_grad_norm_
 from lightning_trn.core.strategy import NeuronStrategyCore
@@ -210,37 +209,44 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Materialise pending device work first, so the tensors copied to the host are the current ones; the file
-        holds CPU tensors only (`NeuronCheckpointIO`), as the Trainer's do, and every rank's random state. Called on
+        holds CPU tensors only (`NeuronCheckpointIO`), as the Trainer's do, and this rank's random state. Called on
         every rank. A sharded checkpoint (a directory every rank writes part of) replaces the previous one only once
-        complete (`lightning_trn.core.checkpoint.sharded_save`)."""
+        complete, through the strategy's checkpointer (`lightning_trn.core.checkpoint.checkpointer`)."""
         self.runtime.sync()
-        random_state = self._random_state_to_save(self._loaders, None, batches=self._batches_taken)
-        state = {**state, RANDOM_STATE_KEY: random_state}
+        entry = self._random_state_entry(self._loaders, None, batches=self._batches_taken)
         if not self.saves_stateful_objects:
             state, filter = self._convert_stateful_objects_in_state(state, filter or {}), None
-        with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS), self._save_destination(path) as target:
-            state, target = self._split_checkpoint(state, target)
-            saver = self._async_checkpointer()
-            if saver is not None and storage_options is None and filter is None:
-                self._save_in_background(saver, state, target)
+
+        def write(state: dict[str, Any], target: Any) -> None:
+            if self._checkpointer.writes_in_background and storage_options is None and filter is None:
+                self._save_in_background(state, target)
             else:  # Lightning's sharded save refuses `storage_options` and `filter`
-                super().save_checkpoint(target, state, storage_options=storage_options, filter=filter)
+                super(NeuronFabricStrategyBase, self).save_checkpoint(
+                    target, state, storage_options=storage_options, filter=filter
+                )
+
+        with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS):
+            self._save_through_checkpointer(state, path, entry, write)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state, or says
-        once why the resume is not exact. Set up the dataloaders before loading. A checkpoint that a sharded save
-        killed between its two renames left aside is put back first (rank 0; `sharded_save.recover_before_resume`),
-        and an asynchronous save in flight is finished."""
-        saver = self._async_checkpointer()
-        if saver is not None:  # the checkpoint may be the one being written
-            saver.wait()
-        recover_before_resume([os.path.dirname(os.fspath(path))], self.global_rank, self.barrier)
+        """Fabric's load; restoring a training state (`state` a dict) also puts back the saved random state (this
+        rank's own), or says once why the resume is not exact. Set up the dataloaders before loading. An asynchronous
+        save in flight is finished first, and what dead writers left in the checkpoint's directory is finished
+        (rank 0; `lightning_trn.core.checkpoint.storage.recover_before_resume`)."""
+        self._checkpointer.wait()  # the checkpoint may be the one being written
+        self._checkpointer.recover([os.path.dirname(os.fspath(path))], self.global_rank, barrier=True)
         # an `s3://` sharded checkpoint: its committed version, DCP's reads sent there by the hooks
-        with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS), self._load_source(path) as source:
+        with (
+            lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS),
+            self._checkpointer.load_source(path, self._checkpoint_layout()) as source,
+        ):
             remainder = super().load_checkpoint(source, state, *args, **kwargs)
+            saved = self._checkpointer.read_rank_file(
+                remainder.pop(RANDOM_STATE_KEY, None), source, path, self.global_rank, self.world_size
+            )
         if isinstance(state, dict) and state:
-            entry = self._restore_random_state(remainder.pop(RANDOM_STATE_KEY, None), self._loaders, skip=True)
+            entry = self._restore_random_state(saved, self._loaders, skip=True)
             if entry is not None:
                 self._batches_taken = int(entry.get("batches", 0))
         return remainder

@@ -24,7 +24,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
+from lightning_trn.core.checkpoint.checkpointer import CheckpointLayout
 from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_FILE
 from lightning_trn.core.parallel.dtensor_random import refuse_local_dropout
 from lightning_trn.core.parallel.model_parallel import (
@@ -188,15 +188,11 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         super()._configure_launcher()
 
     @override
-    def _saves_sharded(self) -> bool:
-        return self._save_distributed_checkpoint
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        return CheckpointLayout.DCP if self._save_distributed_checkpoint else CheckpointLayout.FILE
 
     @override
-    def _writes_dcp_directories(self) -> bool:
-        return self._save_distributed_checkpoint
-
-    @override
-    def _save_in_background(self, saver: AsyncCheckpointer, state: dict[str, Any], directory: str) -> None:
+    def _save_in_background(self, state: dict[str, Any], directory: str) -> None:
         """What Lightning's sharded save writes: the sharded model's and the optimizers' state dicts (host tensors,
         optimizer states keyed by parameter name) as DCP entries under their keys (here in the background), every
         other entry of `state` in `meta.pt` (rank 0)."""
@@ -219,7 +215,7 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
                 meta[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
         if self.global_rank == 0:
             torch.save(meta, os.path.join(directory, LIGHTNING_META_FILE))
-        saver.save(shards, directory)
+        self._checkpointer.write_in_background(shards, directory)
 
     @override
     def module_to_device(self, module: Module) -> None:

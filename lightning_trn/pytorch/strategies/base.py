@@ -7,7 +7,6 @@ lists each strategy's steps.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -18,7 +17,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import XLAProfiler
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -27,9 +26,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.checkpoint import s3_checkpoint
 from lightning_trn.core.checkpoint.random_state import RANDOM_STATE_KEY
-from lightning_trn.core.checkpoint.sharded_save import remove
 from lightning_trn.core.device_loader import DevicePrefetchLoader
 from lightning_trn.core.strategy import NeuronStrategyCore
 from lightning_trn.hooks import registry as lightning_hooks
@@ -97,6 +94,22 @@ def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
     # Lightning declares `current` a `_ReadyCompletedTracker`; it holds a `_ProcessedTracker`
     processed: int = progress.current.processed  # type: ignore[attr-defined]  # see above
     return trainer.training and not progress.is_last_batch and processed > 0
+
+
+def _checkpoint_event(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> tuple | None:
+    """What identifies the state a save inside a running `fit` writes: two saves of one event (the top-k file and
+    `last.ckpt` of `ModelCheckpoint(save_last=True)`) hold the same weights and optimizer state. None outside a
+    running fit, where the user may change the model between two saves."""
+    if trainer.state.fn != TrainerFn.FITTING or trainer.state.status != TrainerStatus.RUNNING:
+        return None
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return (
+        id(trainer),
+        trainer.global_step,
+        epoch_loop.total_batch_idx,
+        trainer.current_epoch,
+        "optimizer_states" in checkpoint,
+    )
 
 
 #: a step of `setup`: a strategy method taking the Trainer
@@ -230,16 +243,21 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's load; when `fit` resumes the checkpoint, its random state is kept for `on_train_start`."""
+        """Lightning's load; when `fit` resumes the checkpoint, its random state (this rank's own, from its own file in
+        a sharded checkpoint) is kept for `on_train_start`."""
+        module = self._lightning_module
+        resuming = module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING
         # an `s3://` sharded checkpoint: its committed version, DCP's reads sent there by the hooks
         with (
             lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS),
-            self._load_source(checkpoint_path) as source,
+            self._checkpointer.load_source(checkpoint_path, self._checkpoint_layout()) as source,
         ):
             checkpoint = super().load_checkpoint(source, *args, **kwargs)
-        module = self._lightning_module
-        if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
-            self._resume_random_state = checkpoint.pop(RANDOM_STATE_KEY, None)
+            saved = checkpoint.pop(RANDOM_STATE_KEY, None)
+            if resuming:
+                self._resume_random_state = self._checkpointer.read_rank_file(
+                    saved, source, checkpoint_path, self.global_rank, self.world_size
+                )
         return checkpoint
 
     @override
@@ -269,10 +287,11 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Materialise pending device work first, so the tensors copied to the host are the current ones; add every
+        """Materialise pending device work first, so the tensors copied to the host are the current ones; add this
         rank's random state (`lightning_trn.core.checkpoint.random_state`). Called on every rank. A sharded checkpoint
-        (a directory every rank writes part of) replaces the previous one only once complete
-        (`lightning_trn.core.checkpoint.sharded_save`).
+        (a directory every rank writes part of) replaces the previous one only once complete, through the
+        strategy's checkpointer (`lightning_trn.core.checkpoint.checkpointer`); a second name of the same
+        `ModelCheckpoint` event (`save_last=True` beside a top-k file) links the first's files.
 
         Skipped (with a log line) under `NEURON_EXTRACT_GRAPHS_ONLY=1`, where tensors hold fake values.
         """
@@ -281,37 +300,28 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
             return
         self.runtime.sync()
         module = self._lightning_module
+        entry: dict[str, Any] = {}
+        event = None
         if module is not None and module._trainer is not None:
             trainer = module._trainer
-            random_state = self._random_state_to_save(_train_prefetchers(trainer), _resumes_mid_epoch(trainer))
-            checkpoint = {**checkpoint, RANDOM_STATE_KEY: random_state}
-        with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS), self._save_destination(filepath) as target:
-            checkpoint, target = self._split_checkpoint(checkpoint, target)
-            saver = self._async_checkpointer()
-            if saver is not None and storage_options is None:
-                self._save_in_background(saver, checkpoint, target)
+            entry = self._random_state_entry(_train_prefetchers(trainer), _resumes_mid_epoch(trainer))
+            event = _checkpoint_event(trainer, checkpoint)
+
+        def write(state: dict[str, Any], target: Any) -> None:
+            if self._checkpointer.writes_in_background and storage_options is None:
+                self._save_in_background(state, target)
             else:  # Lightning's sharded save refuses `storage_options`
-                super().save_checkpoint(checkpoint, target, storage_options=storage_options)
+                super(NeuronStrategyBase, self).save_checkpoint(state, target, storage_options=storage_options)
+
+        with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS):
+            self._save_through_checkpointer(checkpoint, filepath, entry, write, event)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Rank 0 deletes a local checkpoint directory (`ModelCheckpoint`'s `save_top_k`) by renaming it to a hidden
-        name first (`lightning_trn.core.checkpoint.sharded_save.remove`): a kill never leaves half of it under its name.
-        Under asynchronous saves, once the save in flight is committed (a kill before leaves the older checkpoint). A
-        sharded checkpoint in S3 loses its commit object first
-        (`lightning_trn.core.checkpoint.s3_checkpoint.remove`)."""
-        if s3_checkpoint.is_s3(filepath) and self._saves_sharded():
-            if self.is_global_zero:
-                s3_checkpoint.remove(os.fspath(filepath))
-            return
-        if not (self.is_global_zero and os.path.isdir(filepath)):
-            super().remove_checkpoint(filepath)
-            return
-        saver = self._async_checkpointer()
-        if saver is None:
-            remove(filepath)
-        else:
-            saver.then(functools.partial(remove, filepath))
+        """`ModelCheckpoint`'s `save_top_k`: a sharded checkpoint is removed by rank 0 through its storage, never
+        leaving part of it under its name, and under asynchronous saves only once the save in flight is committed (a
+        kill before leaves the older checkpoint); a one-file checkpoint as Lightning removes it."""
+        self._checkpointer.remove(filepath, self.global_rank, self._checkpoint_layout(), super().remove_checkpoint)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -332,7 +342,9 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if dirpath is not None:
-                self._check_shared_directory(dirpath)
+                self._checkpointer.check_directory(
+                    dirpath, self.global_rank, self.world_size, self._checkpoint_layout()
+                )
 
     def _hold_lightning_hooks(self, trainer: pl.Trainer) -> None:
         """Install the hooks into Lightning's internals for this run (`lightning_trn.hooks.registry`)."""

@@ -23,7 +23,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
+from lightning_trn.core.checkpoint.checkpointer import CheckpointLayout
 from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_FILE
 from lightning_trn.core.parallel.dtensor_random import refuse_local_dropout
 from lightning_trn.core.parallel.model_parallel import (
@@ -207,23 +207,23 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         return closure_loss
 
     @override
-    def _saves_sharded(self) -> bool:
-        return self._save_distributed_checkpoint
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        return CheckpointLayout.DCP if self._save_distributed_checkpoint else CheckpointLayout.FILE
 
     @override
-    def _writes_dcp_directories(self) -> bool:
-        return self._save_distributed_checkpoint
+    def _checkpoint_meta(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's `meta.pt`: every entry but the model's and the optimizers' sharded state dicts."""
+        return {key: value for key, value in state.items() if key not in ("state_dict", "optimizer_states")}
 
     @override
-    def _save_in_background(self, saver: AsyncCheckpointer, state: dict[str, Any], directory: str) -> None:
+    def _save_in_background(self, state: dict[str, Any], directory: str) -> None:
         """What Lightning's sharded save writes: the model's and the optimizers' sharded state dicts as DCP entries
         (`state_dict`, `optimizer_<i>`; here in the background), the rest of the checkpoint as `meta.pt` (rank 0)."""
-        state = dict(state)
-        optimizers = state.pop("optimizer_states", [])
-        shards = {"state_dict": state.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(optimizers)}}
+        optimizers = state.get("optimizer_states", [])
+        shards = {"state_dict": state["state_dict"], **{f"optimizer_{i}": s for i, s in enumerate(optimizers)}}
         if self.global_rank == 0:
-            torch.save(state, os.path.join(directory, LIGHTNING_META_FILE))
-        saver.save(shards, directory)
+            torch.save(self._checkpoint_meta(state), os.path.join(directory, LIGHTNING_META_FILE))
+        self._checkpointer.write_in_background(shards, directory)
 
     def _materialize(self, trainer: pl.Trainer) -> None:
         """A model built on the meta device gets the unsharded module's initial weights, or the seed checkpoint's
