@@ -117,14 +117,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = run(args.world_sizes)
     print(
-        "| ranks | rank | bytes read at load | metadata calls at load | meta.pt | its random-state file | meta.pt with "
-        "every rank's state (before) | DCP .metadata | its shard |"
+        "| ranks | rank | bytes read at load | beyond its shard | metadata calls at load | meta.pt | its random-state "
+        "file | meta.pt with every rank's state (before) | DCP .metadata | its shard |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         before = row["meta_pt"] + row["world_size"] * row["rank_file"]
         print(
-            f"| {row['world_size']} | {row['rank']} | {row['bytes_read']:,} | {row['metadata_calls']} | "
+            f"| {row['world_size']} | {row['rank']} | {row['bytes_read']:,} | {row['bytes_read'] - row['shard']:,} | "
+            f"{row['metadata_calls']} | "
             f"{row['meta_pt']:,} | {row['rank_file']:,} | {before:,} | {row['dcp_metadata']:,} | {row['shard']:,} |"
         )
 

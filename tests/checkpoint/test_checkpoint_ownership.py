@@ -26,6 +26,7 @@ from lightning.fabric.strategies import model_parallel as fabric_model_parallel
 from lightning_trn.core.checkpoint import async_save, leases, s3_checkpoint, sharded_save
 from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
 from lightning_trn.core.checkpoint.distributed_checkpoint import load_consolidated
+from lightning_trn.core.checkpoint.random_state import RANDOM_STATE_KEY, rank_file_name
 from lightning_trn.hooks.registry import S3_CHECKPOINT_HOOKS, installed
 from tests.launch import child_env, free_port, run_job
 from tests.s3_server import moto_s3
@@ -104,6 +105,9 @@ def test_one_write_per_checkpoint_event_however_many_names(neighbours: tuple[Pat
         assert (last / shard.name).stat().st_ino == shard.stat().st_ino
     assert load_consolidated(last)["global_step"] == 4
     assert (last / "meta.pt").stat().st_ino != (top / "meta.pt").stat().st_ino  # each name's own meta.pt
+    # each rank's random state in its own file; `meta.pt`, which every rank reads, holds a header only
+    meta = torch.load(last / "meta.pt", weights_only=True)
+    assert meta[RANDOM_STATE_KEY] == {"version": 2, "world_size": 1} and (last / rank_file_name(0)).is_file()
 
 
 # concurrency on a filesystem without RENAME_EXCHANGE (Lustre, EFS): a resume in another process while a writer is
@@ -145,15 +149,24 @@ def test_another_processs_resume_waits_for_a_live_writer_between_its_two_renames
     writer = threading.Thread(target=_save_file, args=(path, "step 2"))
     writer.start()
     assert between.wait(timeout=60)
+    started = tmp_path.parent / f"{tmp_path.name}-started"
     resume = _python(
-        "from lightning_trn.core.checkpoint.sharded_save import recover_local\n"
+        "import pathlib, time\n"
+        "from lightning_trn.core.checkpoint.sharded_save import recover_all, recover_local\n"
+        f"recover_all({str(tmp_path)!r})\n"  # one pass done before the test looks
+        f"pathlib.Path({str(started)!r}).write_text('x')\n"
         f"recover_local([{str(tmp_path)!r}], 0, None, timeout_s=120)\n"
         "print('recovered')",
         tmp_path,
     )
     try:
+        for _ in range(600):
+            if started.exists() or resume.poll() is not None:
+                break
+            threading.Event().wait(0.1)
+        assert started.exists(), resume.communicate()[0]
         with pytest.raises(subprocess.TimeoutExpired):
-            resume.wait(timeout=3)  # still waiting: the writer is alive
+            resume.wait(timeout=1)  # still waiting: the writer is alive
         assert not path.exists() and len(list(tmp_path.glob(".last.ckpt.*.old"))) == 1
     finally:
         go.set()
