@@ -366,3 +366,16 @@ def test_s3_deletions_are_batched_and_off_the_saves_critical_path(s3: Any, monke
     assert not [key for key in _keys(s3, "batched/") if first in key]
     assert requests == [3]  # the previous version's `.metadata`, shard and `meta.pt`: one DeleteObjects
     assert len(single) == 1 and single[0].endswith(s3_checkpoint.LEASE_OBJECT)  # the save's own lease, released
+
+
+def test_a_writer_counts_as_live_until_proven_gone() -> None:
+    """On this host by its process (gone at once when its PID no longer runs the process that wrote the record); on
+    another host by the record's age against `EXPIRY_S`; a file that is no lease record of ours is none."""
+    me = leases.writer().record()
+    assert leases.is_live(me)
+    assert not leases.is_live(leases.LeaseRecord(me.writer, me.host, me.pid, "0", me.renewed))  # PID reused
+    other = leases.LeaseRecord("f" * 16, "another-host:boot", 1, "1", 1_000.0)
+    assert leases.is_live(other, now=1_000.0 + leases.EXPIRY_S - 1)
+    assert not leases.is_live(other, now=1_000.0 + leases.EXPIRY_S + 1)
+    assert leases.LeaseRecord.decode(me.encode()) == me
+    assert leases.LeaseRecord.decode(b'{"writer": "x"}') is None and leases.LeaseRecord.decode(b"SECRET=1") is None

@@ -103,7 +103,14 @@ def test_2d_fsdp_and_tensor_parallel_from_meta_init_equals_one_process(tmp_path:
 
 def test_checkpoint_is_written_by_every_rank(fsdp_neuron: tuple[dict, Path]) -> None:
     _, checkpoint = fsdp_neuron
-    assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+        "random-state-rank0.pt",  # each rank's own random state
+        "random-state-rank1.pt",
+    ]
 
 
 def test_resume_on_another_mesh_equals_uninterrupted_run(

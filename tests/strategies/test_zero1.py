@@ -112,7 +112,14 @@ def test_two_processes_with_sharded_state_end_like_one_process(
     _assert_same_training_state(_checkpoint(sharded / "final.ckpt"), _checkpoint(reference / "final.ckpt"), exact)
     # each rank wrote its own half of the optimizer state; the main file holds none of it
     files = sorted(p.name for p in (sharded / "final.ckpt").iterdir())
-    assert files == ["checkpoint.pt", "zero1-rank0.pt", "zero1-rank1.pt"]
+    # each rank's chunks and random state in its own files
+    assert files == [
+        "checkpoint.pt",
+        "random-state-rank0.pt",
+        "random-state-rank1.pt",
+        "zero1-rank0.pt",
+        "zero1-rank1.pt",
+    ]
     chunks = [torch.load(sharded / "final.ckpt" / f"zero1-rank{r}.pt", weights_only=True)["chunks"] for r in (0, 1)]
     assert [sum(c.numel() for c in rank) for rank in chunks] == [2 * sum(math.ceil(n / 2) for n in NUMELS)] * 2
     # the consolidation tool writes one portable file (CPU, no process group) that `torch.load` reads as it is

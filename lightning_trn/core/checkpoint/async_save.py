@@ -32,6 +32,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter, async_save
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+#: how a save hands its commit to the background writer, to run once the write is done (`AsyncCheckpointer.defer`)
+Deferral = Callable[[Callable[[], None]], None]
+
 
 class WriteFailedError(RuntimeError):
     """An asynchronous save failed on some rank; raised on every rank."""

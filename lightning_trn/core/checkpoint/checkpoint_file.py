@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,35 +65,28 @@ def atomic_local_save(checkpoint: dict[str, Any], path: _PATH) -> None:
     and are fsynced before the rename. A process killed mid-write leaves that temp file behind; it never has the
     checkpoint suffix, so `ckpt_path="last"` and `ModelCheckpoint` ignore it.
     """
-    path = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:  # created with 0o666 & ~umask, like any new file
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_directory(directory)
+    _atomic_write(path, lambda file: torch.save(checkpoint, file), sync=True, make_directory=True)
 
 
 def atomic_local_write(data: bytes, path: _PATH, sync: bool = True) -> None:
     """Write `data` to local `path` as `atomic_local_save` writes a checkpoint (`sync=False`: no fsync, for records
     that are rewritten often and worthless after a crash, such as a writer's lease)."""
+    _atomic_write(path, lambda file: file.write(data), sync=sync, make_directory=False)
+
+
+def _atomic_write(path: _PATH, write: Callable[[Any], object], sync: bool, make_directory: bool) -> None:
+    """`write(file)` into a temp file beside `path`, then `os.replace` it to `path` (fsyncs with `sync`)."""
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
+    if make_directory:
+        os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "xb") as f:
-            f.write(data)
+        with open(tmp, "xb") as file:  # created with 0o666 & ~umask, like any new file
+            write(file)
             if sync:
-                f.flush()
-                os.fsync(f.fileno())
+                file.flush()
+                os.fsync(file.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

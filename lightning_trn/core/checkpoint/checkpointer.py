@@ -10,13 +10,13 @@ background writer of asynchronous saves, each rank's random-state file, and the 
 
 from __future__ import annotations
 
-import enum
 import functools
 import io
 import os
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -27,19 +27,25 @@ from lightning_trn.core.checkpoint.storage import newest_last, recover_before_re
 from lightning_trn.core.parallel.process_group import ProcessGroup
 
 
-class CheckpointLayout(enum.Enum):
-    """What a strategy's checkpoint is on disk."""
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What a strategy's checkpoint is on disk: one of the three constants below (compared by identity)."""
+
+    value: str
+    #: whether every rank writes part of it (a directory)
+    sharded: bool
 
     #: one file, written by rank 0 (DDP, single device, `state_dict_type="full"`)
-    FILE = "one file"
+    FILE: ClassVar[CheckpointLayout]
     #: a ZeRO-1 directory: `checkpoint.pt` and one `zero1-rank<r>.pt` per rank
-    ZERO1 = "ZeRO-1 directories"
+    ZERO1: ClassVar[CheckpointLayout]
     #: a torch.distributed.checkpoint directory: every rank's shards and Lightning's `meta.pt`
-    DCP = "torch.distributed.checkpoint directories"
+    DCP: ClassVar[CheckpointLayout]
 
-    @property
-    def sharded(self) -> bool:
-        return self is not CheckpointLayout.FILE
+
+CheckpointLayout.FILE = CheckpointLayout("one file", sharded=False)
+CheckpointLayout.ZERO1 = CheckpointLayout("ZeRO-1 directories", sharded=True)
+CheckpointLayout.DCP = CheckpointLayout("torch.distributed.checkpoint directories", sharded=True)
 
 
 class Checkpointer:
@@ -117,13 +123,8 @@ class Checkpointer:
             return nullcontext(os.fspath(path))
         self.check_directory(os.path.dirname(os.fspath(path)), rank, world_size, layout)
         self.wait()  # rank 0 commits the previous save before it prepares this one
-        return storage_for(path).save_destination(
-            os.fspath(path),
-            rank,
-            self._process_group.broadcast,
-            self._process_group.barrier,
-            self._writer.defer if self._writer is not None and self.writes_in_background else None,
-        )
+        defer = self._writer.defer if self._writer is not None and self.writes_in_background else None
+        return storage_for(path).save_destination(os.fspath(path), rank, self._process_group, defer)
 
     def write_in_background(self, shards: dict[str, Any], directory: str) -> None:
         """Write this rank's DCP `shards` into the save's `directory` in the background."""
@@ -136,7 +137,7 @@ class Checkpointer:
         path = os.fspath(path)
         if layout is not CheckpointLayout.DCP:
             return nullcontext(path)
-        return storage_for(path).load_source(path, self._process_group.barrier)
+        return storage_for(path).load_source(path, self._process_group)
 
     # each rank's random state: its own file in a sharded checkpoint, gathered to rank 0 in a one-file one
 

@@ -149,12 +149,12 @@ class Writer:
     def _renew(self) -> None:
         while True:
             time.sleep(RENEW_S)
+            # under the lock: a renewal must not rewrite a record that `hold` is deleting
             with self._lock:
-                held = [write for write, _ in self._held.values()]
                 record = self.record().encode()
-            for write in held:
-                with contextlib.suppress(Exception):  # a failed renewal is retried; the lease expires if all fail
-                    write(record)
+                for write, _ in self._held.values():
+                    with contextlib.suppress(Exception):  # a failed renewal is retried; the lease expires if all fail
+                        write(record)
 
 
 _writer: Writer | None = None

@@ -63,6 +63,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_trn.core.checkpoint import leases
+from lightning_trn.core.checkpoint.async_save import Deferral
+from lightning_trn.core.parallel.process_group import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -541,17 +543,12 @@ class S3Storage:
         """Every rank reaches the same bucket."""
 
     def save_destination(
-        self,
-        path: str,
-        rank: int,
-        broadcast: Callable[[Any], Any],
-        barrier: Callable[[], None],
-        defer: Callable[[Callable[[], None]], None] | None,
+        self, path: str, rank: int, group: ProcessGroup, defer: Deferral | None
     ) -> AbstractContextManager[str]:
-        return staged_upload(path, rank, broadcast, barrier)
+        return staged_upload(path, rank, group.broadcast, group.barrier)
 
-    def load_source(self, path: str, barrier: Callable[[], None]) -> AbstractContextManager[str]:
-        return committed_source(path, barrier)
+    def load_source(self, path: str, group: ProcessGroup) -> AbstractContextManager[str]:
+        return committed_source(path, group.barrier)
 
     def write_file(self, destination: str, name: str, data: bytes) -> None:
         """Upload one rank's file `name` into the version a save's shadow `destination` stands for."""

@@ -61,8 +61,10 @@ from typing import Any
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_trn.core.checkpoint import leases
+from lightning_trn.core.checkpoint.async_save import Deferral
 from lightning_trn.core.checkpoint.checkpoint_file import atomic_local_write, fsync_directory
 from lightning_trn.core.checkpoint.shared_storage import check_shared_directory
+from lightning_trn.core.parallel.process_group import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -453,16 +455,11 @@ class LocalStorage:
         check_shared_directory(os.path.abspath(directory), rank, gather)
 
     def save_destination(
-        self,
-        path: str,
-        rank: int,
-        broadcast: Callable[[Any], Any],
-        barrier: Callable[[], None],
-        defer: Callable[[Callable[[], None]], None] | None,
+        self, path: str, rank: int, group: ProcessGroup, defer: Deferral | None
     ) -> AbstractContextManager[str]:
-        return staged_directory(path, rank, barrier, defer, broadcast)
+        return staged_directory(path, rank, group.barrier, defer, group.broadcast)
 
-    def load_source(self, path: str, barrier: Callable[[], None]) -> AbstractContextManager[str]:
+    def load_source(self, path: str, group: ProcessGroup) -> AbstractContextManager[str]:
         return contextlib.nullcontext(path)
 
     def write_file(self, destination: str, name: str, data: bytes) -> None:

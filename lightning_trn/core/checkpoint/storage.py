@@ -12,8 +12,10 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from lightning_trn.core.checkpoint.async_save import Deferral
 from lightning_trn.core.checkpoint.s3_checkpoint import S3Storage
 from lightning_trn.core.checkpoint.sharded_save import LocalStorage
+from lightning_trn.core.parallel.process_group import ProcessGroup
 
 
 class Storage(Protocol):
@@ -36,18 +38,13 @@ class Storage(Protocol):
         ...
 
     def save_destination(
-        self,
-        path: str,
-        rank: int,
-        broadcast: Callable[[Any], Any],
-        barrier: Callable[[], None],
-        defer: Callable[[Callable[[], None]], None] | None,
+        self, path: str, rank: int, group: ProcessGroup, defer: Deferral | None
     ) -> AbstractContextManager[str]:
         """The local directory every rank writes its part of sharded checkpoint `path` into; on leaving, `path` is
-        that save, atomically (or, with `defer`, once the deferred commit runs)."""
+        that save, atomically (or, with `defer`, once the deferred commit runs). `group`: its barrier and broadcast."""
         ...
 
-    def load_source(self, path: str, barrier: Callable[[], None]) -> AbstractContextManager[str]:
+    def load_source(self, path: str, group: ProcessGroup) -> AbstractContextManager[str]:
         """The local directory Lightning's load of sharded checkpoint `path` reads (every rank)."""
         ...
 
