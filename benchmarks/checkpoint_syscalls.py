@@ -184,10 +184,20 @@ def save(path: str, world_size: int, kind: str, before: bool = False) -> None:
     barrier = threading.Barrier(world_size)
     dcp_results: list[Any] = [None] * world_size
     errors: list[BaseException] = []
+    sent: list[Any] = [None]
+
+    def broadcast(obj: Any) -> Any:
+        """Rank 0's `obj` on every thread (a barrier on each side, as a collective)."""
+        if obj is not None:
+            sent[0] = obj
+        barrier.wait()
+        received = sent[0]
+        barrier.wait()
+        return received
 
     def rank_main(rank: int) -> None:
         try:
-            with sharded_save.staged_directory(path, rank, barrier.wait) as staging:
+            with sharded_save.staged_directory(path, rank, barrier.wait, broadcast) as staging:
                 if kind == "zero1":
                     _write_zero1(staging, rank)
                 else:

@@ -181,7 +181,9 @@ class NeuronStrategyCore(_LightningStrategy):
         """A multi-process strategy claims this process's NeuronCore and joins the process group first: TorchNeuron
         refuses a `neuron` process group once a device tensor exists (the accelerator's setup runs a probe on it).
         A checkpoint IO the strategy cannot serve is refused before that, so a refused run leaves no process group."""
-        self._checkpointer.configure(self._checkpoint_io, self._checkpoint_layout(), type(self).__name__)
+        io = self._checkpoint_io
+        async_save = isinstance(io, NeuronCheckpointIO) and io.async_save
+        self._checkpointer.configure(async_save, self._checkpoint_layout(), type(self).__name__)
         if self._process_group.is_distributed:
             self._claim_device()
             self._setup_distributed()
@@ -192,9 +194,13 @@ class NeuronStrategyCore(_LightningStrategy):
     def teardown(self) -> None:
         """An asynchronous save in flight is written and committed first (at the end of `fit`, and on the exception
         path a SIGTERM takes): Lightning's sharded strategies never tear their checkpoint IO down."""
-        self._checkpointer.teardown()
-        super().teardown()
-        self._process_group.env.restore()
+        try:
+            self._checkpointer.teardown()
+        finally:
+            try:
+                super().teardown()
+            finally:
+                self._process_group.env.restore()
 
     @property
     def is_distributed(self) -> bool:
@@ -388,11 +394,12 @@ class NeuronStrategyCore(_LightningStrategy):
         entry: dict[str, Any],
         write: Callable[[dict[str, Any], Any], None],
         event: Hashable | None = None,
+        background: bool = False,
     ) -> None:
-        """Every rank: save `state` with this rank's random-state `entry` to `path`, Lightning's save (`write(state,
-        target)`) writing into the directory the checkpointer gives (module `checkpointer`). A save of the same
-        `event` as the previous one (another name of one `ModelCheckpoint` event) links the previous checkpoint's
-        files instead of writing them again."""
+        """Every rank: save `state` with this rank's random-state `entry` to `path`, `write(state, target)` (Lightning's
+        save, or `_save_in_background` where `background`) writing into the directory the checkpointer gives (module
+        `checkpointer`). A save of the same `event` as the previous one (another name of one `ModelCheckpoint` event)
+        links the previous checkpoint's files instead of writing them again."""
         layout = self._checkpoint_layout()
         state = {**state, RANDOM_STATE_KEY: self._checkpointer.random_state_to_save(entry, self.world_size, layout)}
         source = self._checkpointer.linked_source(event, path, layout)
@@ -401,7 +408,7 @@ class NeuronStrategyCore(_LightningStrategy):
             torch.save(self._checkpoint_meta(state), buffer)
             self._checkpointer.link(source, path, {LIGHTNING_META_FILE: buffer.getvalue()}, self.global_rank)
             return
-        with self._checkpointer.save_destination(path, self.global_rank, self.world_size, layout) as target:
+        with self._checkpointer.save_destination(path, self.global_rank, self.world_size, layout, background) as target:
             if layout.sharded:
                 self._checkpointer.write_rank_file(target, path, self.global_rank, entry)
             state, target = self._split_checkpoint(state, target)

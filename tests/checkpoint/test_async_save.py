@@ -70,7 +70,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
 def _save(saver: AsyncCheckpointer, path: Path, weight: torch.Tensor) -> None:
     """One rank's save of a one-tensor checkpoint, as the checkpointer does it (`Checkpointer.save_destination`)."""
     saver.wait()
-    with staged_directory(path, 0, lambda: None, defer=saver.defer) as staging:
+    with staged_directory(path, 0, lambda: None, lambda o: o, saver.defer) as staging:
         saver.save({"model": {"weight": weight}}, staging)
 
 

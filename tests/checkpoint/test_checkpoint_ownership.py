@@ -122,7 +122,7 @@ def _python(code: str, cwd: Path) -> subprocess.Popen[str]:
 
 
 def _save_file(path: Path, text: str) -> None:
-    with sharded_save.staged_directory(path, 0, lambda: None) as staging:
+    with sharded_save.staged_directory(path, 0, lambda: None, lambda o: o) as staging:
         Path(staging, "shard").write_text(text)
 
 
@@ -227,7 +227,7 @@ def _upload(url: str, value: float) -> None:
 
 def _read(url: str) -> float:
     state = {"w": torch.zeros(8)}
-    with installed(S3_CHECKPOINT_HOOKS), s3_checkpoint.committed_source(url, lambda: None) as shadow:
+    with installed(S3_CHECKPOINT_HOOKS), s3_checkpoint.committed_source(url, lambda o: o, lambda: None) as shadow:
         fabric_model_parallel._distributed_checkpoint_load(state, Path(shadow))
     return state["w"][0].item()
 
@@ -275,35 +275,87 @@ _EVALUATE = (
     _JOB
     + """
 trainer().validate(Evaluated(), data, ckpt_path={url!r})
-from lightning_trn.core.checkpoint import s3_checkpoint
-s3_checkpoint.sweep({directory!r})  # what another job's training resume runs first
 print("evaluated")
 """
 )
+_SWEEP = """
+from lightning_trn.core.checkpoint import s3_checkpoint
+s3_checkpoint.sweep({directory!r})  # what another job's training resume runs first
+print("swept")
+"""
+
+
+def _dead_lease() -> bytes:
+    """The lease record of a writer on this host whose process is gone."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return leases.LeaseRecord("e" * 16, leases._host_key(), int(gone.stdout), "1", 0.0).encode()
+
+
+def _run(code: str, cwd: Path, says: str) -> None:
+    process = _python(code, cwd)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0 and says in output, output[-3000:]
 
 
 @pytest.mark.slow
 def test_an_evaluation_job_and_another_resume_never_delete_a_save_being_uploaded(s3: Any, tmp_path: Path) -> None:
-    """A Trainer job's `last.ckpt` (1-device FSDP) in S3; this process uploads its next version and is held before
-    the commit object. A second process runs `trainer.validate(ckpt_path=last.ckpt)` and a resume's sweep of the
-    directory: the version being uploaded is the writer's (its lease is live) and is left alone; once this process
-    commits it, it loads (before: the sweep deleted it, the commit then named a gutted version and discarded the
-    previous one)."""
+    """A Trainer job's `last.ckpt` (1-device FSDP) in S3, beside the version of a save whose writer died; this
+    process uploads the next version and is held before the commit object. A second process runs
+    `trainer.validate(ckpt_path=last.ckpt)`: it only reads (the dead writer's version is still there); a third runs a
+    training resume's sweep: it deletes the dead writer's version and leaves the live one. Once this process commits
+    its version, it loads (before: the evaluation's sweep deleted it, the commit then named a gutted version and
+    discarded the previous one)."""
     directory = f"s3://{BUCKET}/job"
     url = f"{directory}/last.ckpt"
-    fit = _python(_FIT.format(directory=directory), tmp_path)
-    output, _ = fit.communicate(timeout=600)
-    assert fit.returncode == 0, output[-3000:]
+    _run(_FIT.format(directory=directory), tmp_path, "")
     committed = s3_checkpoint.committed_version(url)
     assert committed is not None
+    dead = f"job/last.ckpt/{s3_checkpoint.new_version()}"
     with installed(S3_CHECKPOINT_HOOKS), s3_checkpoint.staged_upload(url, 0, lambda o: o, lambda: None) as shadow:
+        s3_checkpoint.wait_for_deletions()  # this save's own sweep of its checkpoint, which would take the dead one
+        s3.put_object(Bucket=BUCKET, Key=f"{dead}/{s3_checkpoint.LEASE_OBJECT}", Body=_dead_lease())
+        s3.put_object(Bucket=BUCKET, Key=f"{dead}/__0_0.distcp", Body=b"a killed save's shard")
         fabric_model_parallel._distributed_checkpoint_save({"w": torch.full((8,), 7.0)}, Path(shadow))
         torch.save({"step": 7}, Path(shadow) / "meta.pt")
-        evaluation = _python(_EVALUATE.format(url=url, directory=directory), tmp_path)
-        output, _ = evaluation.communicate(timeout=600)
-        assert evaluation.returncode == 0 and "evaluated" in output, output[-3000:]
-        assert s3_checkpoint.committed_version(url) == committed  # the evaluation read the committed version
+        _run(_EVALUATE.format(url=url), tmp_path, "evaluated")
+        assert len(_keys(s3, f"{dead}/")) == 2  # the evaluation changed nothing
+        _run(_SWEEP.format(directory=directory), tmp_path, "swept")
+        assert _keys(s3, f"{dead}/") == []  # a dead writer's version goes
+        assert s3_checkpoint.committed_version(url) == committed
     assert _read(url) == 7.0
+
+
+_LEASE_HOLDER = """
+import sys, time
+from lightning_trn.core.checkpoint import leases, sharded_save
+leases._host_key = lambda: "another-host:another-boot"  # a writer on another node of the cluster
+leases.RENEW_S = 0.2
+with sharded_save._lease({directory!r}):
+    print("holding", leases.writer().id, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_writer_on_another_host_is_live_while_its_heartbeat_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second process holds a lease as a writer on another node (its host key differs: its PID means nothing
+    here), renewing it every 0.2 s. Its entries stay live while its heartbeat runs, longer than the expiry; once it
+    is killed, they count as gone after `EXPIRY_S` (1 s here)."""
+    monkeypatch.setattr(leases, "EXPIRY_S", 1.0)
+    holder = _python(_LEASE_HOLDER.format(directory=str(tmp_path)), tmp_path)
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        assert line.startswith("holding"), line + holder.stdout.read()
+        writer = line.split()[1]
+        threading.Event().wait(2.5)  # past the expiry: only renewals keep it live
+        assert not sharded_save._writer_gone(str(tmp_path), writer)
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
+    threading.Event().wait(1.5)
+    assert sharded_save._writer_gone(str(tmp_path), writer)
 
 
 # asynchronous saves
@@ -319,7 +371,7 @@ def test_the_background_writes_group_has_the_strategys_timeout(tmp_path: Path, m
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         saver = AsyncCheckpointer(timeout=timedelta(seconds=42))
-        with sharded_save.staged_directory(tmp_path / "c.ckpt", 0, lambda: None, defer=saver.defer) as staging:
+        with sharded_save.staged_directory(tmp_path / "c.ckpt", 0, lambda: None, lambda o: o, saver.defer) as staging:
             saver.save({"w": torch.ones(2)}, staging)
         saver.wait()
     finally:

@@ -61,7 +61,7 @@ def save(url: str, value: float, step: int, fail: bool = False) -> None:
 def load(url: str) -> tuple[float, int]:
     """What Lightning's sharded load does: the tensor's value and the step in `meta.pt`."""
     state = {"w": torch.zeros(64)}
-    with installed(S3_CHECKPOINT_HOOKS), s3_checkpoint.committed_source(url, lambda: None) as shadow:
+    with installed(S3_CHECKPOINT_HOOKS), s3_checkpoint.committed_source(url, lambda o: o, lambda: None) as shadow:
         fabric_model_parallel._distributed_checkpoint_load(state, Path(shadow))
         step = torch.load(Path(shadow) / "meta.pt", weights_only=True)["step"]
     assert torch.equal(state["w"], torch.full((64,), state["w"][0].item()))

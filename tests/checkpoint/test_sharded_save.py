@@ -52,7 +52,7 @@ def _owned(name: str, kind: str, writer: str | None = None) -> str:
 
 def _save(path: Path, files: dict[str, str]) -> None:
     """One sharded save by a one-rank job: `files` written into the staging directory."""
-    with staged_directory(path, rank=0, barrier=lambda: None) as staging:
+    with staged_directory(path, rank=0, barrier=lambda: None, broadcast=lambda o: o) as staging:
         for name, text in files.items():
             Path(staging, name).write_text(text)
 
@@ -80,7 +80,7 @@ def test_a_save_replaces_the_whole_directory_never_file_by_file(tmp_path: Path) 
 def test_a_rank_that_fails_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "last.ckpt"
     _save(path, {"shard": "step 1"})
-    with pytest.raises(OSError), staged_directory(path, rank=0, barrier=lambda: None) as staging:
+    with pytest.raises(OSError), staged_directory(path, 0, lambda: None, lambda o: o) as staging:
         Path(staging, "shard").write_text("step 2, half")
         raise OSError("disk full")
     assert _contents(path) == {"shard": "step 1"}

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter, async_save
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-#: how a save hands its commit to the background writer, to run once the write is done (`AsyncCheckpointer.defer`)
-Deferral = Callable[[Callable[[], None]], None]
+#: how a save hands its commit to the background writer, to run once the write is done, and what to run after it
+#: in any case (`AsyncCheckpointer.defer`)
+Deferral = Callable[[Callable[[], None], Callable[[], None]], None]
 
 
 class WriteFailedError(RuntimeError):
@@ -114,13 +115,15 @@ class AsyncCheckpointer:
         self._unsettled = True
         self.last_blocked_s = time.perf_counter() - start
 
-    def defer(self, commit: Callable[[], None]) -> None:
+    def defer(self, commit: Callable[[], None], cleanup: Callable[[], None]) -> None:
         """Run `commit` (what makes the written directory the checkpoint: a rename on local disk, a commit object on
-        object storage) in the background once the latest `save`'s write is done."""
+        object storage) in the background once the latest `save`'s write is done, then `cleanup` (the writer's
+        lease), also when the write or the commit failed."""
         write, self._write = self._write, None
         if write is None:
+            cleanup()
             raise RuntimeError("lightning_trn: a commit was deferred with no asynchronous write to wait for.")
-        self._in_flight = self._commits.submit(_after, write, commit)
+        self._in_flight = self._commits.submit(_after, write, commit, cleanup)
 
     def then(self, action: Callable[[], None]) -> None:
         """Run `action` once the save in flight is committed (now if none is): deleting an older checkpoint
@@ -136,6 +139,10 @@ class AsyncCheckpointer:
         self.wait()
 
 
-def _after(previous: Future, action: Callable[[], None]) -> None:
-    previous.result()  # a failed write raises here: nothing is committed or deleted, the previous checkpoint stays
-    action()
+def _after(previous: Future, action: Callable[[], None], cleanup: Callable[[], None] | None = None) -> None:
+    try:
+        previous.result()  # a failed write raises here: nothing is committed or deleted, the previous checkpoint stays
+        action()
+    finally:
+        if cleanup is not None:
+            cleanup()

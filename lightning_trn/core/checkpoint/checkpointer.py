@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 
 from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
 from lightning_trn.core.checkpoint.random_state import RANDOM_STATE_VERSION, RankFiles, rank_file_name
@@ -65,18 +64,17 @@ class Checkpointer:
         #: inside `synchronous()`
         self._synchronous = False
 
-    def configure(self, checkpoint_io: CheckpointIO | None, layout: CheckpointLayout, strategy: str) -> None:
-        """At the strategy's setup: the background writer when the checkpoint IO asks for asynchronous saves, refused
-        where checkpoints are not DCP directories."""
-        wants_async = bool(getattr(checkpoint_io, "async_save", False))
-        if wants_async and layout is not CheckpointLayout.DCP:
+    def configure(self, async_save: bool, layout: CheckpointLayout, strategy: str) -> None:
+        """At the strategy's setup: the background writer where saves are asynchronous
+        (`NeuronCheckpointIO(async_save=True)`), refused where checkpoints are not DCP directories."""
+        if async_save and layout is not CheckpointLayout.DCP:
             raise ValueError(
                 f"NeuronCheckpointIO(async_save=True) writes the torch.distributed.checkpoint directories of the "
                 f"sharded strategies (model-parallel and FSDP with sharded checkpoints, native backend); {strategy} "
                 f"writes {layout.value}, which it saves synchronously. Drop `async_save=True`, or for one-file "
                 "checkpoints wrap the checkpoint IO in Lightning's `AsyncCheckpointIO`."
             )
-        if wants_async and self._writer is None:
+        if async_save and self._writer is None:
             self._writer = AsyncCheckpointer(self._process_group.timeout)
 
     @property
@@ -115,15 +113,16 @@ class Checkpointer:
             self._shared.add(directory)
 
     def save_destination(
-        self, path: Any, rank: int, world_size: int, layout: CheckpointLayout
+        self, path: Any, rank: int, world_size: int, layout: CheckpointLayout, background: bool = False
     ) -> AbstractContextManager[str]:
         """Where this rank saves the checkpoint `path`: `path` itself for one file; for a sharded checkpoint a
-        directory of its storage that becomes `path` atomically once every rank is done."""
+        directory of its storage that becomes `path` atomically once every rank is done (`background`: once the
+        background write into it is done; the caller writes through `write_in_background`)."""
         if not layout.sharded:
             return nullcontext(os.fspath(path))
         self.check_directory(os.path.dirname(os.fspath(path)), rank, world_size, layout)
         self.wait()  # rank 0 commits the previous save before it prepares this one
-        defer = self._writer.defer if self._writer is not None and self.writes_in_background else None
+        defer = self._writer.defer if self._writer is not None and background else None
         return storage_for(path).save_destination(os.fspath(path), rank, self._process_group, defer)
 
     def write_in_background(self, shards: dict[str, Any], directory: str) -> None:

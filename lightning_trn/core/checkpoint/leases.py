@@ -89,13 +89,35 @@ class LeaseRecord:
             return None
 
 
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def is_live(record: LeaseRecord | None, now: float | None = None) -> bool:
     """Whether the writer of `record` may still be working (module docstring)."""
     if record is None:
         return False
-    if record.host == _host_key():
-        return record.start is not None and _process_start(record.pid) == record.start
-    return (time.time() if now is None else now) - record.renewed < EXPIRY_S
+    fresh = (time.time() if now is None else now) - record.renewed < EXPIRY_S
+    if record.host != _host_key():
+        return fresh
+    if record.start is not None and os.path.isdir("/proc/self"):
+        return _process_start(record.pid) == record.start
+    return fresh and _pid_runs(record.pid)  # no /proc (macOS): the PID, and the record's age for a reused PID
+
+
+@dataclass
+class _Held:
+    """One lease this process holds: how to write and delete its record, and how many blocks hold it."""
+
+    write: Callable[[bytes], None]
+    release: Callable[[], None]
+    count: int = 1
 
 
 class Writer:
@@ -104,7 +126,7 @@ class Writer:
 
     def __init__(self) -> None:
         self.id = secrets.token_hex(8)
-        self._held: dict[str, tuple[Callable[[bytes], None], int]] = {}
+        self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
         self._start = _process_start(os.getpid())
@@ -125,36 +147,44 @@ class Writer:
         own next cleanup."""
         with self._lock:
             held = self._held.get(key)
-            self._held[key] = (write, (held[1] if held else 0) + 1)
-            if held is None:
-                write(self.record().encode())
-            if self._heartbeat is None:
-                self._heartbeat = threading.Thread(target=self._renew, name="lightning_trn-lease", daemon=True)
-                self._heartbeat.start()
+            if held is not None:
+                held.count += 1
+        if held is None:
+            write(self.record().encode())  # before the key is held: a failed write leaves nothing to renew
+            with self._lock:
+                held = self._held.setdefault(key, _Held(write, release, 0))
+                held.count += 1
+                if self._heartbeat is None:
+                    self._heartbeat = threading.Thread(target=self._renew, name="lightning_trn-lease", daemon=True)
+                    self._heartbeat.start()
         failed = True
         try:
             yield
             failed = False
         finally:
             with self._lock:
-                write_, count = self._held[key]
-                if count > 1:
-                    self._held[key] = (write_, count - 1)
-                else:
+                held.count -= 1
+                last = held.count == 0
+                if last:
                     del self._held[key]
-                    if not (failed and keep_on_error):
-                        with contextlib.suppress(OSError):
-                            release()
+            if last and not (failed and keep_on_error):
+                with contextlib.suppress(OSError):
+                    release()
 
     def _renew(self) -> None:
         while True:
             time.sleep(RENEW_S)
-            # under the lock: a renewal must not rewrite a record that `hold` is deleting
             with self._lock:
-                record = self.record().encode()
-                for write, _ in self._held.values():
-                    with contextlib.suppress(Exception):  # a failed renewal is retried; the lease expires if all fail
-                        write(record)
+                held = list(self._held.items())
+            record = self.record().encode()
+            for key, lease in held:  # outside the lock: a slow storage must not hold up `hold`
+                with contextlib.suppress(Exception):  # a failed renewal is retried; the lease expires if all fail
+                    lease.write(record)
+                with self._lock:
+                    released = key not in self._held
+                if released:  # released while this renewal wrote it: delete the record again
+                    with contextlib.suppress(Exception):
+                        lease.release()
 
 
 _writer: Writer | None = None

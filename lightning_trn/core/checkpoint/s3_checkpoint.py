@@ -55,6 +55,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -122,8 +123,22 @@ def _client_for(region: str, endpoint: str | None) -> Any:
     return S3Client(region, endpoint=endpoint)
 
 
+#: s3torchconnector is imported, and the first client made, by one thread at a time: the background deleter and a
+#: save may start at once, and a concurrent first import of s3torchconnector fails ("partially initialized module")
+_client_lock = threading.Lock()
+
+
+def _s3_exception() -> type[Exception]:
+    """s3torchconnector's error type, imported under the lock."""
+    with _client_lock:
+        from s3torchconnector import S3Exception
+
+    return S3Exception
+
+
 def _client() -> Any:
-    return _client_for(_region(), _setting(ENDPOINT_VARIABLES))
+    with _client_lock:
+        return _client_for(_region(), _setting(ENDPOINT_VARIABLES))
 
 
 @functools.lru_cache(maxsize=4)
@@ -139,8 +154,7 @@ def _missing(error: Exception) -> bool:
 
 def _get(bucket: str, key: str) -> bytes | None:
     """The object's bytes, or None where there is none."""
-    from s3torchconnector import S3Exception
-
+    S3Exception = _s3_exception()  # the class, named as s3torchconnector names it
     try:
         return _client().get_object(bucket, key).read()
     except S3Exception as error:
@@ -156,8 +170,7 @@ def _put(bucket: str, key: str, data: bytes) -> None:
 
 def _delete(bucket: str, key: str) -> None:
     """Delete one object; already gone is fine (another process deleted it meanwhile)."""
-    from s3torchconnector import S3Exception
-
+    S3Exception = _s3_exception()  # the class, named as s3torchconnector names it
     try:
         _client().delete_object(bucket, key)
     except S3Exception as error:
@@ -168,7 +181,8 @@ def _delete(bucket: str, key: str) -> None:
 def delete_keys(bucket: str, keys: list[str]) -> int:
     """Delete `keys` with DeleteObjects, `DELETE_BATCH` a request (a key already gone counts as deleted); returns the
     number of requests."""
-    client = _batch_client_for(_region(), _setting(ENDPOINT_VARIABLES))
+    with _client_lock:
+        client = _batch_client_for(_region(), _setting(ENDPOINT_VARIABLES))
     requests = 0
     for start in range(0, len(keys), DELETE_BATCH):
         batch = keys[start : start + DELETE_BATCH]
@@ -214,6 +228,14 @@ def wait_for_deletions() -> None:
     _background.submit(lambda: None).result()
 
 
+def _discard_or_warn(url: str) -> None:
+    """`discard_uncommitted` in the background: a failure leaves the objects to a later sweep, with a warning."""
+    try:
+        discard_uncommitted(url)
+    except Exception as error:  # noqa: BLE001  # a background thread has no caller to raise to
+        log.warning("lightning_trn: could not sweep %s (%s); a later sweep does.", url, error)
+
+
 def _keys(bucket: str, prefix: str) -> list[str]:
     return [info.key for page in _client().list_objects(bucket, prefix) for info in page.object_info]
 
@@ -252,35 +274,34 @@ def version_url(url: str, version: str) -> str:
     return f"{url.rstrip('/')}/{version}"
 
 
-def _abandoned(bucket: str, key: str, version: str, commit_is_ours: bool) -> bool:
-    """Whether uncommitted `version` of checkpoint `key` may be deleted (module docstring: ownership)."""
+def _abandoned(bucket: str, key: str, version: str, committed: str | None) -> bool:
+    """Whether uncommitted `version` of checkpoint `key` may be deleted (module docstring: ownership): its lease is
+    dead, or, without one, its checkpoint has a commit object of ours naming a newer version and it is older than
+    `leases.EXPIRY_S` (a writer deletes its lease only after its commit object names it: an unleased version newer
+    than the commit is one whose commit this process has not seen yet)."""
     lease = _get(bucket, f"{key}/{version}/{LEASE_OBJECT}")
     if lease is not None:
         record = leases.LeaseRecord.decode(lease)
         return record is not None and (leases.writer().owns(record.writer) or not leases.is_live(record))
     written = int(version.split("-", 1)[0]) / 1e9
-    return commit_is_ours and time.time() - written > leases.EXPIRY_S
+    return committed is not None and version < committed and time.time() - written > leases.EXPIRY_S
 
 
 def discard_uncommitted(url: str) -> None:
     """Delete every version of checkpoint `url` that its commit object does not name and whose writer is gone (what
-    killed saves left; module docstring), in batches."""
+    killed saves left; module docstring), in batches. The commit object is read again right before the deletion: a
+    commit that landed while the versions were checked keeps its version."""
     bucket, key = _split(url)
-    commit = _get(bucket, f"{key}/{COMMIT_OBJECT}")
-    committed = _decode_commit(commit)
+    committed = committed_version(url)
     by_version: dict[str, list[str]] = {}
     for name in _keys(bucket, f"{key}/"):
         version = name[len(key) + 1 :].split("/", 1)[0]
         if _VERSION.fullmatch(version) and version != committed:
             by_version.setdefault(version, []).append(name)
-    doomed = [
-        name
-        for version, names in sorted(by_version.items())
-        if _abandoned(bucket, key, version, committed is not None)
-        for name in names
-    ]
+    doomed = {version for version in by_version if _abandoned(bucket, key, version, committed)}
+    doomed.discard(committed_version(url) or "")
     if doomed:
-        delete_keys(bucket, doomed)
+        delete_keys(bucket, [name for version in sorted(doomed) for name in by_version[version]])
 
 
 def sweep(directory: str) -> None:
@@ -426,7 +447,7 @@ def staged_upload(url: str, rank: int, broadcast: Callable[[Any], Any], barrier:
     with contextlib.ExitStack() as held:
         version = None
         if rank == 0:
-            discard_uncommitted(url)  # what a killed save into this checkpoint left
+            _background.submit(_discard_or_warn, url)  # what a killed save into this checkpoint left
             version = new_version()
             held.enter_context(_version_lease(version_url(url, version)))
         version = broadcast(version)
@@ -462,12 +483,13 @@ def read_committed_version(url: str) -> str:
 
 
 @contextmanager
-def committed_source(url: str, barrier: Callable[[], None]) -> Iterator[str]:
+def committed_source(url: str, broadcast: Callable[[Any], Any], barrier: Callable[[], None]) -> Iterator[str]:
     """The local directory Lightning's load of sharded checkpoint `url` reads (every rank): `meta.pt` downloaded
-    into it, DCP's reads sent to the committed version in S3. Every rank leaves the block together."""
+    into it, DCP's reads sent to the committed version in S3. Every rank leaves the block together. The directory is
+    this load's own (a token from rank 0): another job on the host loading the same version never deletes it."""
     url = url.rstrip("/")
     target = version_url(url, read_committed_version(url))
-    shadow = shadow_directory(target)
+    shadow = shadow_directory(target) + "-" + broadcast(secrets.token_hex(4))
     os.makedirs(shadow, exist_ok=True)
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
@@ -548,7 +570,7 @@ class S3Storage:
         return staged_upload(path, rank, group.broadcast, group.barrier)
 
     def load_source(self, path: str, group: ProcessGroup) -> AbstractContextManager[str]:
-        return committed_source(path, group.barrier)
+        return committed_source(path, group.broadcast, group.barrier)
 
     def write_file(self, destination: str, name: str, data: bytes) -> None:
         """Upload one rank's file `name` into the version a save's shadow `destination` stands for."""

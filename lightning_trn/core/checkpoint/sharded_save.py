@@ -93,21 +93,19 @@ _RENAME_EXCHANGE = 2
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
-def _owned_name(path: str, suffix: str, writer: str | None = None, token: str | None = None) -> str:
-    """`.<name>.lightning_trn-<writer>[-<token>]<suffix>` beside `path`, `writer` this process's by default."""
-    directory, name = os.path.split(path)
-    owner = f"{leases.OWNER_TAG}-{writer or leases.writer().id}" + (f"-{token}" if token else "")
+def _owned_name(path: str, suffix: str, writer: str | None = None) -> str:
+    """`.<name>.lightning_trn-<writer>-<token>.<suffix>` beside `path`, `writer` this process's by default, the token
+    new: no two saves or removals of one writer share a name, so a recovery that listed the directory before this
+    writer's next save can never act on that save's entries."""
+    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+    owner = f"{leases.OWNER_TAG}-{writer or leases.writer().id}-{uuid.uuid4().hex[:8]}"
     return os.path.join(directory, f".{name}.{owner}{suffix}")
 
 
-def staging_path(path: _PATH) -> str:
-    """The hidden directory this process's sharded save of `path` writes into before it becomes `path`."""
-    return _owned_name(os.path.abspath(os.fspath(path)), STAGING_SUFFIX)
-
-
 def aside_path(path: _PATH, writer: str | None = None) -> str:
-    """Where the two-rename commit of `writer` (this process by default) sets the previous `path` aside."""
-    return _owned_name(os.path.abspath(os.fspath(path)), ASIDE_SUFFIX, writer)
+    """A new name where the two-rename commit of `writer` (this process by default) sets the previous `path`
+    aside."""
+    return _owned_name(os.fspath(path), ASIDE_SUFFIX, writer)
 
 
 def _lease_path(directory: str, writer: str) -> str:
@@ -187,8 +185,8 @@ def _delete_copy(target: str, checkpoint: str) -> None:
         reason = error
     left = target
     owned = _OWNED.fullmatch(os.path.basename(target))
-    if owned is None or owned["kind"] != "removing":
-        set_aside = _owned_name(checkpoint, _REMOVING_SUFFIX, token=uuid.uuid4().hex[:8])
+    if owned is None or owned["kind"] != "removing":  # a copy already waiting to be deleted keeps its name
+        set_aside = _owned_name(checkpoint, _REMOVING_SUFFIX)
         try:
             os.rename(target, set_aside)
             left = set_aside
@@ -235,28 +233,22 @@ def _finish(directory: str, entry: str, match: re.Match[str]) -> None:
 
 
 def recover_all(directory: _PATH) -> None:
-    """Finish what dead writers left in `directory` (module docstring): only lightning_trn's own entries, only those
-    of writers proven gone; then delete those writers' lease files. Idempotent; other processes running it at the
-    same time are harmless (what another renamed or deleted first is skipped)."""
+    """Finish what dead writers left in `directory` (module docstring): only lightning_trn's own entries, each only
+    once its writer is proven gone, checked right before acting on it; then delete those writers' lease files.
+    Idempotent; other processes running it at the same time are harmless (what another renamed or deleted first is
+    skipped)."""
     directory = os.path.abspath(os.fspath(directory))
     try:
         entries = sorted(os.listdir(directory))
     except (FileNotFoundError, NotADirectoryError):
         return
-    gone: dict[str, bool] = {}
-
-    def writer_gone(writer: str) -> bool:
-        if writer not in gone:
-            gone[writer] = _writer_gone(directory, writer)
-        return gone[writer]
-
     for entry in entries:
         match = _OWNED.fullmatch(entry)
-        if match is not None and writer_gone(match["writer"]):
+        if match is not None and _writer_gone(directory, match["writer"]):
             _finish(directory, entry, match)
     for entry in entries:
         lease = _LEASE.fullmatch(entry)
-        if lease is not None and not leases.writer().owns(lease["writer"]) and writer_gone(lease["writer"]):
+        if lease is not None and not leases.writer().owns(lease["writer"]) and _writer_gone(directory, lease["writer"]):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(directory, entry))
 
@@ -345,23 +337,13 @@ def _no_commit() -> None:
     """The commit of a rank other than 0: rank 0 commits for all."""
 
 
-def _released(commit: Callable[[], None], lease: contextlib.ExitStack) -> Callable[[], None]:
-    """`commit`, then the lease released (a deferred commit runs after the save's block has left)."""
-
-    def run() -> None:
-        with lease:
-            commit()
-
-    return run
-
-
 @contextmanager
 def staged_directory(
     path: _PATH,
     rank: int,
     barrier: Callable[[], None],
-    defer: Callable[[Callable[[], None]], None] | None = None,
-    broadcast: Callable[[Any], Any] | None = None,
+    broadcast: Callable[[Any], Any],
+    defer: Deferral | None = None,
 ) -> Iterator[str]:
     """Every rank saves its part of the sharded checkpoint `path` into the directory this yields; on leaving the
     block, it becomes `path` atomically once all ranks are done (module docstring). A rank that raises leaves `path`
@@ -374,8 +356,7 @@ def staged_directory(
         defer: for a save whose writes go on after the block (`lightning_trn.core.checkpoint.async_save`): on leaving
             the block, each rank hands it the commit (step 3 on rank 0, nothing on the others) to run once its
             writes are done, instead of the barrier and the commit.
-        broadcast: rank 0's object on every rank: the staging directory carries rank 0's writer id. None: the ranks
-            are threads of one process (benchmarks, tests), which share it.
+        broadcast: rank 0's object on every rank (the staging directory's name, which carries rank 0's writer id).
     """
     path = os.path.abspath(os.fspath(path))
     lease = contextlib.ExitStack()
@@ -385,15 +366,12 @@ def staged_directory(
     with contextlib.ExitStack() as held:
         held.push(lease)  # released on leaving, unless a deferred commit took it over
         if rank == 0:
-            _prepare(path, staging_path(path))
-        if broadcast is None:
-            barrier()
-            staging = staging_path(path)
-        else:  # also waits for rank 0's staging directory
-            staging = broadcast(staging_path(path) if rank == 0 else None)
+            staging = _owned_name(path, STAGING_SUFFIX)
+            _prepare(path, staging)
+        staging = broadcast(staging if rank == 0 else None)  # also waits for rank 0's staging directory
         yield staging
-        if defer is not None:
-            defer(_released(functools.partial(_commit, staging, path), held.pop_all()) if rank == 0 else _no_commit)
+        if defer is not None:  # rank 0's lease goes with the commit: released once it ran, or its write failed
+            defer(functools.partial(_commit, staging, path) if rank == 0 else _no_commit, held.pop_all().close)
             return
         barrier()
         if rank == 0:
@@ -406,7 +384,7 @@ def link_checkpoint(source: str, path: str, replace: dict[str, bytes]) -> None:
     committed as a save is. No byte of the shards is written again."""
     path = os.path.abspath(path)
     with _lease(os.path.dirname(path)):
-        staging = staging_path(path)
+        staging = _owned_name(path, STAGING_SUFFIX)
         _prepare(path, staging)
         for root, _, files in os.walk(source):
             relative = os.path.relpath(root, source)
@@ -457,7 +435,7 @@ class LocalStorage:
     def save_destination(
         self, path: str, rank: int, group: ProcessGroup, defer: Deferral | None
     ) -> AbstractContextManager[str]:
-        return staged_directory(path, rank, group.barrier, defer, group.broadcast)
+        return staged_directory(path, rank, group.barrier, group.broadcast, defer)
 
     def load_source(self, path: str, group: ProcessGroup) -> AbstractContextManager[str]:
         return contextlib.nullcontext(path)

@@ -217,16 +217,19 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
         if not self.saves_stateful_objects:
             state, filter = self._convert_stateful_objects_in_state(state, filter or {}), None
 
+        # Lightning's sharded save refuses `storage_options` and `filter`: such a save is written synchronously
+        background = self._checkpointer.writes_in_background and storage_options is None and filter is None
+
         def write(state: dict[str, Any], target: Any) -> None:
-            if self._checkpointer.writes_in_background and storage_options is None and filter is None:
+            if background:
                 self._save_in_background(state, target)
-            else:  # Lightning's sharded save refuses `storage_options` and `filter`
+            else:
                 super(NeuronFabricStrategyBase, self).save_checkpoint(
                     target, state, storage_options=storage_options, filter=filter
                 )
 
         with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS):
-            self._save_through_checkpointer(state, path, entry, write)
+            self._save_through_checkpointer(state, path, entry, write, background=background)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:

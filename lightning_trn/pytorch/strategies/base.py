@@ -98,8 +98,9 @@ def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
 
 def _checkpoint_event(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> tuple | None:
     """What identifies the state a save inside a running `fit` writes: two saves of one event (the top-k file and
-    `last.ckpt` of `ModelCheckpoint(save_last=True)`) hold the same weights and optimizer state. None outside a
-    running fit, where the user may change the model between two saves."""
+    `last.ckpt` of `ModelCheckpoint(save_last=True)`) hold the same weights, optimizer and random state. The stage and
+    the validation batches run tell a save after a step from one after the validation that followed it (which drew
+    from the host generators). None outside a running fit, where the user may change the model between two saves."""
     if trainer.state.fn != TrainerFn.FITTING or trainer.state.status != TrainerStatus.RUNNING:
         return None
     epoch_loop = trainer.fit_loop.epoch_loop
@@ -108,6 +109,8 @@ def _checkpoint_event(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> tuple 
         trainer.global_step,
         epoch_loop.total_batch_idx,
         trainer.current_epoch,
+        trainer.state.stage,
+        epoch_loop.val_loop.batch_progress.total.ready,
         "optimizer_states" in checkpoint,
     )
 
@@ -307,14 +310,17 @@ class NeuronStrategyBase(NeuronStrategyCore, _LightningStrategy):
             entry = self._random_state_entry(_train_prefetchers(trainer), _resumes_mid_epoch(trainer))
             event = _checkpoint_event(trainer, checkpoint)
 
+        # Lightning's sharded save refuses `storage_options`: such a save is written synchronously
+        background = self._checkpointer.writes_in_background and storage_options is None
+
         def write(state: dict[str, Any], target: Any) -> None:
-            if self._checkpointer.writes_in_background and storage_options is None:
+            if background:
                 self._save_in_background(state, target)
-            else:  # Lightning's sharded save refuses `storage_options`
+            else:
                 super(NeuronStrategyBase, self).save_checkpoint(state, target, storage_options=storage_options)
 
         with lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS):
-            self._save_through_checkpointer(checkpoint, filepath, entry, write, event)
+            self._save_through_checkpointer(checkpoint, filepath, entry, write, event, background)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
