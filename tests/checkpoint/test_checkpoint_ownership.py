@@ -252,6 +252,19 @@ def test_a_user_prefix_and_a_stray_commit_object_in_s3_are_never_touched(s3: Any
     assert _keys(s3, "users/") == sorted(user)
 
 
+def test_a_writers_own_sweep_never_deletes_the_version_it_is_writing(s3: Any) -> None:
+    """A save starts with a sweep of its checkpoint, in the background, while it writes its new version: this
+    process's lease there is held, so that version is not taken for one of its own abandoned ones."""
+    url = f"s3://{BUCKET}/own/last.ckpt"
+    _upload(url, 1.0)
+    with installed(S3_CHECKPOINT_HOOKS), s3_checkpoint.staged_upload(url, 0, lambda o: o, lambda: None) as shadow:
+        fabric_model_parallel._distributed_checkpoint_save({"w": torch.full((8,), 2.0)}, Path(shadow))
+        torch.save({"step": 2}, Path(shadow) / "meta.pt")
+        s3_checkpoint.wait_for_deletions()
+        s3_checkpoint.discard_uncommitted(url)
+    assert _read(url) == 2.0
+
+
 _JOB = """
 import lightning.pytorch as pl, torch
 from lightning.pytorch.callbacks import ModelCheckpoint

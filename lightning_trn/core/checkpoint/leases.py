@@ -137,6 +137,11 @@ class Writer:
     def owns(self, writer: str) -> bool:
         return writer == self.id
 
+    def holds(self, key: str) -> bool:
+        """Whether this process holds the lease `key` now (its own work in flight there)."""
+        with self._lock:
+            return key in self._held
+
     @contextlib.contextmanager
     def hold(
         self, key: str, write: Callable[[bytes], None], release: Callable[[], None], keep_on_error: bool = False

@@ -282,7 +282,11 @@ def _abandoned(bucket: str, key: str, version: str, committed: str | None) -> bo
     lease = _get(bucket, f"{key}/{version}/{LEASE_OBJECT}")
     if lease is not None:
         record = leases.LeaseRecord.decode(lease)
-        return record is not None and (leases.writer().owns(record.writer) or not leases.is_live(record))
+        if record is None:
+            return False
+        if leases.writer().owns(record.writer):  # this process's: abandoned unless still being written
+            return not leases.writer().holds(version_url(_join(bucket, key), version))
+        return not leases.is_live(record)
     written = int(version.split("-", 1)[0]) / 1e9
     return committed is not None and version < committed and time.time() - written > leases.EXPIRY_S
 
