@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -28,7 +29,6 @@ from lightning_trn.core.checkpoint.sharded_save import (
     recover_local,
     remove,
     staged_directory,
-    staging_path,
 )
 from lightning_trn.core.parallel.zero1 import chunk_file
 from tests.models import RegressionModel, regression_loader
@@ -62,6 +62,16 @@ def _contents(path: Path) -> dict[str, str]:
 
 
 def _hidden(parent: Path) -> list[str]:
+    """The hidden entries of `parent`, each save's or removal's token left out of lightning_trn's names (what
+    `_owned` names)."""
+    return sorted(_TOKEN.sub(r"\1", p.name) for p in parent.iterdir() if p.name.startswith("."))
+
+
+#: the per-save token after the writer id in lightning_trn's names
+_TOKEN = re.compile(r"(lightning_trn-[0-9a-f]{16})-[0-9a-f]{8}")
+
+
+def _raw_hidden(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
@@ -70,8 +80,8 @@ def test_a_save_replaces_the_whole_directory_never_file_by_file(tmp_path: Path) 
     up beside the new files (the same shard names from save to save would load as a silent mix)."""
     path = tmp_path / "last.ckpt"
     _save(path, {"__0_0.distcp": "step 1", "__1_0.distcp": "step 1"})
-    Path(staging_path(path)).mkdir()
-    Path(staging_path(path), "__1_0.distcp").write_text("killed save of step 2")
+    (tmp_path / _owned("last.ckpt", "partial")).mkdir()
+    (tmp_path / _owned("last.ckpt", "partial") / "__1_0.distcp").write_text("killed save of step 2")
     _save(path, {"__0_0.distcp": "step 3"})
     assert _contents(path) == {"__0_0.distcp": "step 3"}
     assert _hidden(tmp_path) == []
@@ -149,7 +159,8 @@ def test_the_commit_swaps_in_one_step_where_the_filesystem_can(tmp_path: Path, m
     monkeypatch.setattr(sharded_save, "_discard", lambda target: None)
     _save(path, {"shard": "step 2"})
     assert _contents(path) == {"shard": "step 2"}
-    assert _contents(Path(staging_path(path))) == {"shard": "step 1"}  # the next save deletes it
+    (staging,) = tmp_path.glob(".last.ckpt.lightning_trn-*.partial")
+    assert _contents(staging) == {"shard": "step 1"}  # the next save deletes it
 
 
 def test_removing_a_checkpoint_directory_never_leaves_part_of_it_under_its_name(
@@ -269,10 +280,11 @@ def test_a_previous_copy_that_cannot_be_deleted_never_fails_the_save(
         patch.setattr(shutil, "rmtree", busy)
         _save(path, {"shard": "step 2"})
     assert _contents(path) == {"shard": "step 2"}
-    (left,) = _hidden(tmp_path)
-    assert left.startswith(_owned("last.ckpt", "")[:-1] + "-") and left.endswith(".removing")
+    (left,) = _raw_hidden(tmp_path)
+    assert _TOKEN.sub(r"\1", left) == _owned("last.ckpt", "removing")
     assert _contents(tmp_path / left) == {"shard": "step 1"}
-    assert f"could not delete {tmp_path / _owned('last.ckpt', 'old')}" in caplog.text and left in caplog.text
+    old = re.escape(str(tmp_path / _owned("last.ckpt", "")[:-1])) + r"-[0-9a-f]{8}\.old"
+    assert re.search(f"could not delete {old}", caplog.text) and left in caplog.text
     assert shutil.rmtree is rmtree
     _save(path, {"shard": "step 3"})
     assert _contents(path) == {"shard": "step 3"} and _hidden(tmp_path) == []
