@@ -21,7 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
+from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO, to_portable
 from lightning_trn.core.checkpoint.checkpointer import Checkpointer, CheckpointLayout
 from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_FILE
 from lightning_trn.core.checkpoint.random_state import (
@@ -44,6 +44,10 @@ from lightning_trn.runtime.collectives import Collectives
 _RECENT_DELIVERIES = 4
 
 log = logging.getLogger(__name__)
+
+#: the Trainer's entries of a DCP checkpoint that are sharded state dicts, written as DCP entries (the rest, and
+#: Fabric's entries other than modules and optimizers, go to `meta.pt`)
+_SHARDED_ENTRIES = ("state_dict", "optimizer_states")
 
 #: which submodules to checkpoint: a set of module classes, or a policy of torch's (`ModuleWrapPolicy`, a callable)
 CheckpointingPolicy = set[type[Module]] | Callable[..., bool] | Any
@@ -402,6 +406,11 @@ class NeuronStrategyCore(_LightningStrategy):
         links the previous checkpoint's files instead of writing them again."""
         layout = self._checkpoint_layout()
         state = {**state, RANDOM_STATE_KEY: self._checkpointer.random_state_to_save(entry, self.world_size, layout)}
+        if layout is CheckpointLayout.DCP:
+            # Lightning writes the rest beside the shards (`meta.pt`) with a plain `torch.save`, device tensors and
+            # all (ModelCheckpoint's scores): made portable here, as NeuronCheckpointIO makes a one-file checkpoint
+            sharded = {key: state[key] for key in _SHARDED_ENTRIES if key in state}
+            state = {**to_portable({k: v for k, v in state.items() if k not in sharded}), **sharded}
         source = self._checkpointer.linked_source(event, path, layout)
         if source is not None:
             buffer = io.BytesIO()

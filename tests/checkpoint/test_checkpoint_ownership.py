@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import model_parallel as fabric_model_parallel
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_trn.core.checkpoint import async_save, leases, s3_checkpoint, sharded_save
 from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
@@ -108,6 +109,11 @@ def test_one_write_per_checkpoint_event_however_many_names(neighbours: tuple[Pat
     # each rank's random state in its own file; `meta.pt`, which every rank reads, holds a header only
     meta = torch.load(last / "meta.pt", weights_only=True)
     assert meta[RANDOM_STATE_KEY] == {"version": 2, "world_size": 1} and (last / rank_file_name(0)).is_file()
+    # and no device tensor: the best-loss callback's score was saved as `neuron:0` (a resume on rank 1 compared it
+    # with its own device's; a process without the device could not load `meta.pt`)
+    tensors: list[torch.Tensor] = []
+    apply_to_collection(meta, torch.Tensor, tensors.append)
+    assert tensors and {tensor.device.type for tensor in tensors} == {"cpu"}
 
 
 # concurrency on a filesystem without RENAME_EXCHANGE (Lustre, EFS): a resume in another process while a writer is

@@ -133,6 +133,16 @@ def test_sharded_checkpoints_without_an_s3_writer_refuse_s3() -> None:
     assert s3_checkpoint.refusal("s3://b/x", writes_dcp=True, async_save=False) is None
 
 
+def test_a_one_file_strategy_refuses_a_sharded_checkpoint_in_s3_with_a_paragraph(s3: Any) -> None:
+    """`trainer.validate(ckpt_path="s3://.../last.ckpt")` on one device read the prefix as one file: a bare
+    `EOFError` (found by a docs-only trial)."""
+    url = f"s3://{BUCKET}/one-device/last.ckpt"
+    save(url, 1.0, 1)
+    with pytest.raises(ValueError, match=r"sharded checkpoint in S3 .* `strategy='fsdp'`"):
+        Checkpointer(OneProcess()).load_source(url, CheckpointLayout.FILE)
+    Checkpointer(OneProcess()).load_source(f"s3://{BUCKET}/one-device/model.ckpt", CheckpointLayout.FILE)  # a file
+
+
 def _meta(s3: Any, name: str) -> dict[str, Any]:
     commit = json.loads(s3.get_object(Bucket=BUCKET, Key=f"job/{name}/{COMMIT_OBJECT}")["Body"].read())
     data = s3.get_object(Bucket=BUCKET, Key=f"job/{name}/{commit['version']}/meta.pt")["Body"].read()

@@ -2,8 +2,9 @@
 device (sharded DCP checkpoints through the whole save, commit and recovery path), run in `--out`:
 
 1. `ckpts`: a folder the test filled with a user's own files; `fit` 3 steps with `ModelCheckpoint(dirpath=ckpts,
-   every_n_train_steps=1, save_top_k=1, save_last=True)` counting the DCP shard writes, then `fit(ckpt_path="last")`
-   to step 4 with asynchronous saves (`NeuronCheckpointIO(async_save=True)`), counting again.
+   every_n_train_steps=1, save_top_k=1, save_last=True)` and a best-loss `ModelCheckpoint` in `<out>/best`, counting
+   the DCP shard writes, then `fit(ckpt_path="last")` to step 4 with asynchronous saves
+   (`NeuronCheckpointIO(async_save=True)`), counting again.
 2. Under SLURM's variables, in the working directory the test filled with a user's files: `fit` with
    `default_root_dir` the working directory and `ckpt_path=None` (SLURM's auto-resume looks there), twice.
 
@@ -41,6 +42,15 @@ SLURM = {
 }
 
 
+class Logged(Net):
+    """Logs its loss, which the checkpoints monitor: ModelCheckpoint's scores are then device tensors."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss
+
+
 class Start(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.step = trainer.global_step
@@ -73,14 +83,27 @@ def fit(
             plugins=[io] if io is not None else None,
             default_root_dir=root,
         )
-        trainer.fit(Net(), DataLoader(dataset(), batch_size=BATCH), ckpt_path=ckpt_path)
+        trainer.fit(Logged(), DataLoader(dataset(), batch_size=BATCH), ckpt_path=ckpt_path)
     finally:
         FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
     return writes["count"], start.step
 
 
 def every_step(ckpts: Path) -> ModelCheckpoint:
-    return ModelCheckpoint(dirpath=ckpts, filename="{step}", every_n_train_steps=1, save_top_k=1, save_last=True)
+    return ModelCheckpoint(
+        dirpath=ckpts,
+        filename="{step}",
+        every_n_train_steps=1,
+        save_top_k=1,
+        save_last=True,
+        monitor="step",
+        mode="max",
+    )
+
+
+def best(out: Path) -> ModelCheckpoint:
+    """The best loss so far: its score, in every checkpoint's callback state, is a tensor the step made."""
+    return ModelCheckpoint(dirpath=out / "best", filename="best-{step}", monitor="loss", every_n_train_steps=1)
 
 
 def main() -> None:
@@ -89,8 +112,10 @@ def main() -> None:
     args = parser.parse_args()
     record: dict[str, Any] = {}
     ckpts = args.out / "ckpts"
-    record["sync"] = fit(3, [every_step(ckpts)])
-    record["async"] = fit(4, [every_step(ckpts)], ckpt_path="last", io=NeuronCheckpointIO(async_save=True))
+    record["sync"] = fit(3, [every_step(ckpts), best(args.out)])
+    record["async"] = fit(
+        4, [every_step(ckpts), best(args.out)], ckpt_path="last", io=NeuronCheckpointIO(async_save=True)
+    )
 
     os.environ.update(SLURM)
     work = Path.cwd()

@@ -69,9 +69,10 @@ class AsyncCheckpointer:
         """Whether a save's write or commit has not finished yet."""
         return self._in_flight is not None and not self._in_flight.done()
 
-    def wait(self) -> None:
-        """Wait for the save in flight, if any, to be written and committed (every rank together); raise on every rank
-        if it failed on any."""
+    def wait(self, exchange: bool = True) -> None:
+        """Wait for the save in flight, if any, to be written and committed; raise if it failed. `exchange` (every rank
+        together, where all ranks are known to call it: the next save, a load): raise on every rank if it failed on
+        any."""
         pending, self._in_flight, self._write = self._in_flight, None, None
         error: BaseException | None = None
         if pending is not None:
@@ -80,7 +81,7 @@ class AsyncCheckpointer:
             except Exception as failure:  # noqa: BLE001  # any failure is exchanged below and raised on every rank
                 error = failure
         unsettled, self._unsettled = self._unsettled, False
-        if not unsettled or self._group is None:
+        if not (exchange and unsettled) or self._group is None:
             if error is not None:
                 raise error
             return
@@ -135,8 +136,9 @@ class AsyncCheckpointer:
         self._in_flight = self._commits.submit(_after, self._in_flight, action)
 
     def close(self) -> None:
-        """Wait for the save in flight (teardown)."""
-        self.wait()
+        """Wait for the save in flight (teardown), this rank's alone: a teardown after an error on one rank must not
+        wait for ranks that are elsewhere; each rank raises its own failure."""
+        self.wait(exchange=False)
 
 
 def _after(previous: Future, action: Callable[[], None], cleanup: Callable[[], None] | None = None) -> None:

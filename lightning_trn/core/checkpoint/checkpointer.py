@@ -134,9 +134,13 @@ class Checkpointer:
         """What Lightning's load of `path` reads (every rank): `path` itself, or for a DCP directory its storage's
         local stand-in (S3: a directory whose DCP reads go to the committed version)."""
         path = os.fspath(path)
+        storage = storage_for(path)
+        reason = storage.load_refusal(path, layout is CheckpointLayout.DCP)
+        if reason is not None:
+            raise ValueError(reason)
         if layout is not CheckpointLayout.DCP:
             return nullcontext(path)
-        return storage_for(path).load_source(path, self._process_group)
+        return storage.load_source(path, self._process_group)
 
     # each rank's random state: its own file in a sharded checkpoint, gathered to rank 0 in a one-file one
 
@@ -223,5 +227,6 @@ class Checkpointer:
             self._writer.wait()
 
     def teardown(self) -> None:
-        """An asynchronous save in flight is written and committed before the run ends."""
-        self.wait()
+        """An asynchronous save in flight is written and committed before the run ends (each rank its own)."""
+        if self._writer is not None:
+            self._writer.close()

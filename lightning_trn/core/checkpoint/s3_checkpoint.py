@@ -573,6 +573,20 @@ class S3Storage:
     ) -> AbstractContextManager[str]:
         return staged_upload(path, rank, group.broadcast, group.barrier)
 
+    def load_refusal(self, path: str, reads_dcp: bool) -> str | None:
+        """A sharded checkpoint in S3 is read through torch.distributed.checkpoint only: a one-file strategy would read
+        its prefix as one file (an `EOFError`)."""
+        if reads_dcp or committed_version(path.rstrip("/")) is None:
+            return None
+        return (
+            f"lightning_trn: {path} is a sharded checkpoint in S3 (torch.distributed.checkpoint files and a commit "
+            "object), which only the strategies that write such checkpoints read: `strategy='fsdp'` or "
+            "`ModelParallelStrategy` (any number of devices, also one). This run's strategy reads one-file "
+            "checkpoints. Load it with one of those strategies, or copy the prefix's committed version to a local "
+            "directory and load that (a local DCP directory loads with any strategy, `python -m "
+            "lightning_trn.consolidate` makes one file of it)."
+        )
+
     def load_source(self, path: str, group: ProcessGroup) -> AbstractContextManager[str]:
         return committed_source(path, group.broadcast, group.barrier)
 

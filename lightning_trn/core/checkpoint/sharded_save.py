@@ -383,6 +383,7 @@ def link_checkpoint(source: str, path: str, replace: dict[str, bytes]) -> None:
     where the filesystem has no hard links) into a staging directory, the files of `replace` written instead, then
     committed as a save is. No byte of the shards is written again."""
     path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with _lease(os.path.dirname(path)):
         staging = _owned_name(path, STAGING_SUFFIX)
         _prepare(path, staging)
@@ -436,6 +437,10 @@ class LocalStorage:
         self, path: str, rank: int, group: ProcessGroup, defer: Deferral | None
     ) -> AbstractContextManager[str]:
         return staged_directory(path, rank, group.barrier, group.broadcast, defer)
+
+    def load_refusal(self, path: str, reads_dcp: bool) -> str | None:
+        """A DCP directory loads anywhere: `NeuronCheckpointIO` consolidates it for one-file strategies."""
+        return None
 
     def load_source(self, path: str, group: ProcessGroup) -> AbstractContextManager[str]:
         return contextlib.nullcontext(path)

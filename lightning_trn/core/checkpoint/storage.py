@@ -44,6 +44,11 @@ class Storage(Protocol):
         that save, atomically (or, with `defer`, once the deferred commit runs). `group`: its barrier and broadcast."""
         ...
 
+    def load_refusal(self, path: str, reads_dcp: bool) -> str | None:
+        """Why `path` cannot be loaded by a strategy that does (`reads_dcp`) or does not read DCP directories (None:
+        it can)."""
+        ...
+
     def load_source(self, path: str, group: ProcessGroup) -> AbstractContextManager[str]:
         """The local directory Lightning's load of sharded checkpoint `path` reads (every rank)."""
         ...
