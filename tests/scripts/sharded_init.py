@@ -17,6 +17,7 @@ plain tensors equal rank 0's. Each rank writes them to --out/run-<rank>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def resident_bytes(model: nn.Module) -> int:
 
 def setup(fabric: Fabric, model: nn.Module, expected: dict[str, torch.Tensor]) -> tuple[nn.Module, dict]:
     device = fabric.device
+    # the previous phase's model is in reference cycles (FSDP's hooks): freed by the cyclic collector at any moment,
+    # it would lower the memory below `before` during this setup and hide this model's peak
+    gc.collect()
     standin.reset_counters()
     torch.neuron.reset_peak_memory_stats(device)
     before = torch.neuron.memory_allocated(device)
