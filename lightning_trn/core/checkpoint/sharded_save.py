@@ -9,14 +9,15 @@ committing process (`leases.Writer`), whose lease `<parent>/.lightning_trn-lease
 of step 3:
 
 1. Rank 0 takes its lease, finishes what dead writers left in `<parent>` (`recover_all`), and creates the staging
-   directory `<parent>/.<name>.lightning_trn-W.partial`. Barrier.
+   directory `<parent>/.<name>.lightning_trn-W-T.partial` (T: a token new for each save); the ranks get its name
+   from rank 0.
 2. Every rank writes its files into the staging directory. Barrier: the save is complete.
 3. Rank 0 commits: fsync the files no writer synced and the staging directory (`sync_unsynced`); swap it with
    `<name>` in one atomic step (`renameat2` with `RENAME_EXCHANGE`, Linux: ext4, XFS, btrfs, tmpfs...) or rename it
    to `<name>` when there was none; fsync `<parent>`; delete the previous checkpoint, now under the staging name.
    Where the system or filesystem cannot exchange (NFS and Lustre reject the flag with EINVAL; macOS), two renames:
-   `<name>` to `.<name>.lightning_trn-W.old`, the staging directory to `<name>`; fsync `<parent>`; delete the old copy.
-   Then the lease is released.
+   `<name>` to `.<name>.lightning_trn-W-T.old`, the staging directory to `<name>`; fsync `<parent>`; delete the old
+   copy. Then the lease is released.
 
 **Ownership.** Only names of the form `.<name>.lightning_trn-<16 hex>[-<8 hex>].{partial,old,removing}` and lease
 files `.lightning_trn-lease-<16 hex>` holding a lease record are ever renamed or deleted by recovery; a user's
