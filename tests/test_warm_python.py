@@ -79,9 +79,18 @@ def test_signals_reach_the_child_and_its_client_dying_ends_it(warm_ready: None, 
         client.send_signal(stop)
         assert client.wait(timeout=30) == -stop
         deadline = time.monotonic() + 30
-        while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
+        while _runs(child):
             assert time.monotonic() < deadline, f"the fork outlived its client after {stop!r}"
             time.sleep(0.05)
+
+
+def _runs(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie; one that is reaped while its stat is read is gone (reading
+    /proc after an exists() check raced with the reaping: a flaky failure)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def test_passed_descriptors_arrive_under_their_numbers(warm_ready: None) -> None:
