@@ -22,7 +22,7 @@ import torch
 
 from lightning_trn.core.checkpoint.async_save import AsyncCheckpointer
 from lightning_trn.core.checkpoint.random_state import RANDOM_STATE_VERSION, RankFiles, rank_file_name
-from lightning_trn.core.checkpoint.storage import newest_last, recover_before_resume, storage_for
+from lightning_trn.core.checkpoint.storage import recover_before_resume, storage_for
 from lightning_trn.core.parallel.process_group import ProcessGroup
 
 
@@ -146,7 +146,7 @@ class Checkpointer:
 
     def random_state_to_save(self, entry: dict[str, Any], world_size: int, layout: CheckpointLayout) -> dict[str, Any]:
         """The checkpoint's random-state value for this rank's `entry`: a header (the entry goes to this rank's own
-        file, `write_rank_files`) in a sharded checkpoint; every rank's entry, gathered to rank 0, in a one-file one."""
+        file, `write_rank_file`) in a sharded checkpoint; every rank's entry, gathered to rank 0, in a one-file one."""
         if layout.sharded:
             return RankFiles(world_size).header()
         return {"version": RANDOM_STATE_VERSION, "ranks": self._process_group.gather_to_first(entry, world_size)}
@@ -213,13 +213,9 @@ class Checkpointer:
         else:
             self._writer.then(functools.partial(storage.remove, path))
 
-    def recover(self, directories: list[Any], rank: int, barrier: bool) -> None:
-        """Before a training resume chooses or loads a checkpoint from `directories` (module `storage`)."""
-        recover_before_resume(directories, rank, self._process_group.barrier if barrier else None)
-
-    @staticmethod
-    def newest_last(directories: list[Any]) -> str | None:
-        return newest_last(directories)
+    def recover(self, directories: list[Any], rank: int) -> None:
+        """Before a resume loads a checkpoint from `directories` (module `storage`); the ranks leave together."""
+        recover_before_resume(directories, rank, self._process_group.barrier)
 
     def wait(self) -> None:
         """Wait for the save in flight (every rank together); raise on every rank if it failed on any."""

@@ -238,7 +238,7 @@ class NeuronFabricStrategyBase(NeuronStrategyCore, _LightningStrategy):
         save in flight is finished first, and what dead writers left in the checkpoint's directory is finished
         (rank 0; `lightning_trn.core.checkpoint.storage.recover_before_resume`)."""
         self._checkpointer.wait()  # the checkpoint may be the one being written
-        self._checkpointer.recover([os.path.dirname(os.fspath(path))], self.global_rank, barrier=True)
+        self._checkpointer.recover([os.path.dirname(os.fspath(path))], self.global_rank)
         # an `s3://` sharded checkpoint: its committed version, DCP's reads sent there by the hooks
         with (
             lightning_hooks.installed(lightning_hooks.S3_CHECKPOINT_HOOKS),
