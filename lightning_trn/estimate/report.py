@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_trn.estimate.step_time import HARDWARE, StepTime, Work, predict
+
 _GIB = 2**30
 _MIB = 2**20
 
@@ -151,6 +153,13 @@ class Collective:
     count: int
     bytes_per_rank: int
     across_nodes: int = 0
+    #: the operator (`c10d.` for FSDP2's and DDP's, `_c10d_functional.` for DTensor's); the bytes a rank sends for
+    #: it in ring algorithms (`step_time.ring_factor`) in groups within one node; in groups that span nodes, those
+    #: bytes over the group's ranks per node (each of the node's rings crosses the network once, so a node's
+    #: network carries one share per ring: `step_time.predict`)
+    op: str = ""
+    wire_within: float = 0.0
+    wire_across: float = 0.0
 
 
 #: the part of a step each schedule leaves a pipeline rank idle (its "bubble"), with `p` pipeline ranks, `m`
@@ -245,6 +254,8 @@ class Estimate:
     simulated: str = ""
     caller: str = API
     pipeline: PipelineEstimate | None = None
+    #: each simulated rank's operations and tokens (`step_time.Work`), for the step-time model
+    work: dict[int, Work] = field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -264,6 +275,28 @@ class Estimate:
     def fits(self) -> bool:
         """Whether `peak * (1 + margin) + reserved <= capacity` (`PlatformBudget`)."""
         return self.needed <= self.capacity
+
+    def step_time(self, hardware: str | None = None, compiled: bool | None = None) -> StepTime | None:
+        """The step-time model's prediction on `hardware` (a key of `step_time.HARDWARE`; default this estimate's
+        platform): the slowest simulated rank's (with pipeline stages, each stage's own collectives and the
+        schedule's bubble). `compiled`: predict the step with its blocks compiled (memory-bound chains fused)
+        though the simulation ran them eagerly; None: as simulated. None when no operations were recorded."""
+        if not self.work:
+            return None
+        chosen = HARDWARE[hardware or self.platform]
+        pipeline = self.pipeline
+        times = [
+            predict(
+                work.ops,
+                pipeline.collectives[rank] if pipeline is not None else self.collectives,
+                chosen,
+                compiled=work.compiled if compiled is None else compiled,
+                bubble=pipeline.bubble if pipeline is not None else 0.0,
+                tokens_per_step=work.tokens_per_step,
+            )
+            for rank, work in self.work.items()
+        ]
+        return max(times, key=lambda time: time.step_s)
 
     def advice(self) -> str:
         """One line naming what to change when it does not fit, from the category that dominates the peak, in the
@@ -334,6 +367,9 @@ class Estimate:
                     f"point-to-point bytes per step, rank {rank.rank}: {_size(sent)} sent, {_size(received)} "
                     "received (activations forward, their gradients back)"
                 )
+        timing = self.step_time()
+        if timing is not None:
+            lines += ["", *timing.lines()]
         lines += ["", *self.notes, MARGIN_SOURCE, RESERVED_SOURCE, NOT_SIMULATED]
         if pipeline is not None:
             lines.append("every stage must fit: the verdict is the largest stage's")

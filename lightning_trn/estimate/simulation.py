@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_trn.core.parallel.pipeline import stages_of_rank
-from lightning_trn.estimate import patches
+from lightning_trn.estimate import patches, step_time
 from lightning_trn.estimate.report import (
     API,
     CAPACITY_GIB,
@@ -114,16 +114,29 @@ class _CollectiveBytes:
                 super().__init__()
                 self.comm_bytes: dict[Any, int] = defaultdict(int)
                 self.cross_node_bytes: dict[Any, int] = defaultdict(int)
+                self.wire: dict[Any, float] = defaultdict(float)
+                self.cross_node_wire: dict[Any, float] = defaultdict(float)
+                self.ops = step_time.OpCount()
 
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 out = super().__torch_dispatch__(func, types, args, kwargs)
+                if out is NotImplemented:  # a DTensor: its local operations come back here
+                    return out
                 packet = getattr(func, "_overloadpacket", None)
-                if out is not NotImplemented and (packet in self.comm_registry or packet in c10d_collective_ops):
+                if packet in self.comm_registry or packet in c10d_collective_ops:
                     packet = NATIVE_TO_PY_MAPPING.get(packet, packet)
                     size = max(map(_tensor_bytes, (*args, *(kwargs or {}).values(), out)))
+                    ranks = _group_ranks(args, kwargs)
+                    wire = step_time.ring_factor(str(packet), len(ranks)) * size
                     self.comm_bytes[packet] += size
-                    if len({rank // devices for rank in _group_ranks(args, kwargs)}) > 1:
+                    nodes = len({rank // devices for rank in ranks})
+                    if nodes > 1:
                         self.cross_node_bytes[packet] += size
+                        self.cross_node_wire[packet] += wire * nodes / len(ranks)
+                    else:
+                        self.wire[packet] += wire
+                else:
+                    self.ops.add(func, args, kwargs, out)
                 return out
 
         mode = Mode()
@@ -182,9 +195,21 @@ def _collectives(modes: list[Any]) -> list[Collective]:
             counts[packet] += count
             sizes[packet] += mode.comm_bytes.get(packet, 0)
             across[packet] += mode.cross_node_bytes.get(packet, 0)
+    wire: dict[Any, float] = defaultdict(float)
+    wire_across: dict[Any, float] = defaultdict(float)
+    for mode in modes:
+        for packet in {*mode.wire, *mode.cross_node_wire}:
+            wire[packet] += mode.wire.get(packet, 0.0)
+            wire_across[packet] += mode.cross_node_wire.get(packet, 0.0)
     return [
         Collective(
-            str(packet).replace("c10d.", "").replace("_c10d_functional.", ""), count, sizes[packet], across[packet]
+            str(packet).replace("c10d.", "").replace("_c10d_functional.", ""),
+            count,
+            sizes[packet],
+            across[packet],
+            str(packet),
+            wire[packet],
+            wire_across[packet],
         )
         for packet, count in sorted(counts.items(), key=lambda item: str(item[0]))
     ]
@@ -199,8 +224,45 @@ def _stage_transfers(transfers: list[tuple[bool, int, int]], rank: int, devices:
         mine = [(size, peer) for is_send, size, peer in transfers if is_send == sent]
         if mine:
             across = sum(size for size, peer in mine if peer // devices != rank // devices)
-            rows.append(Collective(kind, len(mine), sum(size for size, _ in mine), across))
+            total = sum(size for size, _ in mine)
+            # a link carries each direction on its own: the receives' bytes are the peers' sends
+            wire, wire_across = (float(total - across), float(across)) if sent else (0.0, 0.0)
+            rows.append(Collective(kind, len(mine), total, across, kind, wire, wire_across))
     return rows
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether any submodule runs compiled (`Module.compile()` in place, or a `torch.compile` wrapper)."""
+    return any(
+        getattr(sub, "_compiled_call_impl", None) is not None or type(sub).__name__ == "OptimizedModule"
+        for sub in module.modules()
+    )
+
+
+def _tokens_per_step(trainer: Any, batch: Any, accumulate: int) -> float | None:
+    """Tokens a rank trains on per step: the micro-batch's token ids (its first integer tensor of two or more
+    dimensions) times `accumulate`, times the data streams (the mesh's replicate and data-parallel ranks, or every
+    rank without a mesh), over the world size (the ranks that split a stream share its tokens)."""
+    ids = next(
+        (
+            t
+            for t in tree_flatten(batch)[0]
+            if isinstance(t, torch.Tensor) and t.ndim >= 2 and not t.is_floating_point()
+        ),
+        None,
+    )
+    if ids is None:
+        return None
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    world = trainer.world_size
+    streams = world
+    if mesh is not None and names:
+        streams = 1
+        for name in ("replicate", "data_parallel"):
+            if name in names:
+                streams *= mesh[name].size()
+    return ids.numel() * accumulate * streams / world
 
 
 def _fsdp_root(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -328,6 +390,7 @@ class _Measure:
                 result["tracker"] = tracker
 
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                result["batch"] = batch
                 if batch_idx == accumulate:  # the measured step: its pipeline stages' transfers
                     STAGE_TRANSFERS.counting = []
                 if batch_idx >= accumulate:  # one mode per micro-batch: its module tracker follows one forward
@@ -347,6 +410,11 @@ class _Measure:
                     transfers = _stage_transfers(STAGE_TRANSFERS.counting or [], trainer.global_rank, devices)
                     STAGE_TRANSFERS.counting = None
                     result["collectives"] = _collectives(self.comms) + transfers
+                    result["work"] = step_time.Work(
+                        step_time.OpCount.total(mode.ops for mode in self.comms),
+                        _compiled(trainer.strategy.model),
+                        _tokens_per_step(trainer, result.get("batch"), accumulate),
+                    )
                     trainer.should_stop = True
 
             def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -376,7 +444,8 @@ def _closure_first(optimizer: Any) -> None:
     @functools.wraps(step)  # keeps the LR scheduler's mark on the step it wrapped
     def closure_then_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None
-        step(**kwargs)
+        with step_time.optimizer_step():
+            step(**kwargs)
         return loss
 
     optimizer.step = closure_then_step  # patched on this one (simulated, thrown away) optimizer object only
@@ -437,9 +506,10 @@ def _on_meta(module_factory: Callable[[], Any]) -> Any:
 
 def simulate_rank(
     module_factory: Callable[[], Any], batch: Any, rank: int, **trainer_kwargs: Any
-) -> tuple[RankMemory, list[Collective]]:
+) -> tuple[RankMemory, list[Collective], step_time.Work]:
     """Train two optimizer steps as rank `rank` of the job `trainer_kwargs` describes, on fake tensors and a fake
-    process group; returns that rank's memory at the second step's peak and that step's collectives.
+    process group; returns that rank's memory at the second step's peak, that step's collectives and its operations
+    (`step_time.Work`).
 
     Raises:
         EstimateError: Lightning refuses the job as configured, or the simulation fails (the message says where).
@@ -498,7 +568,9 @@ def simulate_rank(
         module = _on_meta(module_factory)
         if not isinstance(trainer.strategy, ModelParallelStrategy):  # ours (and FSDP) materialize a meta model
             with fake_mode:  # made fake where a data-parallel strategy would move it
+                ties = _ties(module)
                 module._apply(functools.partial(_fake_on, trainer.strategy.root_device))
+                _retie(ties)
         # logging is host bookkeeping of (here fake) scalars, not device memory
         module.log = lambda *args, **kwargs: None
         module.log_dict = lambda *args, **kwargs: None
@@ -514,7 +586,8 @@ def simulate_rank(
             "lightning_trn.estimate: the simulated run ended before its second optimizer step (does the module's "
             "training_step return None on every batch, or stop the fit?)."
         )
-    return _rank_memory(rank, _device_snapshot(result["tracker"].get_tracker_snapshot("peak"))), result["collectives"]
+    memory = _rank_memory(rank, _device_snapshot(result["tracker"].get_tracker_snapshot("peak")))
+    return memory, result["collectives"], result["work"]
 
 
 def _refusal(where: str, err: Exception) -> patches.EstimateError:
@@ -547,6 +620,24 @@ def _refusal(where: str, err: Exception) -> patches.EstimateError:
 
 def _device_snapshot(snapshot: dict[torch.device, dict[Any, int]]) -> dict[Any, int]:
     return next((snap for device, snap in snapshot.items() if device.type != "cpu"), {})
+
+
+def _ties(module: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
+    """The places of each parameter registered more than once (a head tied to the embedding)."""
+    places: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                places[id(param)].append((sub, name))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _retie(ties: list[list[tuple[torch.nn.Module, str]]]) -> None:
+    """Registers each tied group's first converted parameter in its other places: `Module._apply` converts a fake
+    parameter per place, which would untie them (twice the memory and optimizer state of a real run)."""
+    for (first, first_name), *others in ties:
+        for sub, name in others:
+            sub._parameters[name] = first._parameters[first_name]
 
 
 def _fake_on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
@@ -638,10 +729,11 @@ def estimate(
         ranks = sorted(ranks)
     memories: list[Any] = []
     collectives: dict[int, list[Any]] = {}
+    work: dict[int, step_time.Work] = {}
     STAGE_TRANSFERS.clear()
     try:
         for rank in ranks:
-            memory, collectives[rank] = simulate_rank(module_factory, batch, rank, **trainer_kwargs)
+            memory, collectives[rank], work[rank] = simulate_rank(module_factory, batch, rank, **trainer_kwargs)
             memories.append(memory)
     finally:
         STAGE_TRANSFERS.clear()
@@ -671,6 +763,7 @@ def estimate(
         simulated=describe(platform, device, world_size, nodes, ranks),
         caller=caller,
         pipeline=pipeline,
+        work=work,
     )
 
 

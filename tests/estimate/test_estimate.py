@@ -7,9 +7,10 @@ about 21 M parameters), the estimated per-rank peak is within 10 % of the stand-
 training step (`torch.neuron.max_memory_allocated()`; measured here: within 100 bytes), and so is each pipeline
 stage's (2 stages, 1F1B, one simulated rank per stage) against the real rank holding it; the command line prints the
 tables, ends with the `peak device memory per rank` line and exits 0 when the job fits, 1 with one line of advice
-when it does not, without allocating the model; `--plan` lists the largest micro-batch that fits per layout; the
-collectives' bytes in groups that span nodes are told apart from those within a node (FSDP2 against HSDP). The
-simulations run in this process: a simulation leaves it as it found it (tests/estimate/test_estimate_patterns.py).
+when it does not, without allocating the model; `--plan` lists the largest micro-batch that fits per layout,
+fastest first; the collectives' bytes in groups that span nodes are told apart from those within a node (FSDP2
+against HSDP). The simulations run in this process: a simulation leaves it as it found it
+(tests/estimate/test_estimate_patterns.py).
 """
 
 from __future__ import annotations
@@ -186,7 +187,10 @@ def test_cli_plan_lists_the_largest_micro_batch_per_layout(capsys: pytest.Captur
     rows, lines = _plan_rows(capsys)
     assert sorted((row[0], row[1]) for row in rows) == [("1", "false"), ("1", "true"), ("2", "false"), ("2", "true")]
     assert all(row[2] in ("1", "2") and float(row[3].split()[0]) <= 16.0 for row in rows)
-    assert lines[-1].startswith("capacity per rank: 16.00 GiB")
+    assert any(line.startswith("capacity per rank: 16.00 GiB") for line in lines)
+    # fastest first: the step-time model's tokens/s per chip, in decreasing order
+    speeds = [float(row[4].replace(",", "")) for row in rows]
+    assert speeds == sorted(speeds, reverse=True) and speeds[-1] > 0
 
 
 def test_cli_plan_options_narrow_the_search(capsys: pytest.CaptureFixture[str]) -> None:

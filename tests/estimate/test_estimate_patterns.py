@@ -107,6 +107,63 @@ def test_ordinary_modules_are_estimated_or_refused_with_a_paragraph(case: str) -
     assert result.fits
 
 
+class TiedLM(pl.LightningModule):
+    """A head tied to the token embedding (GPT-2's layout) and a block whose norm, before its column-wise and
+    row-wise layers, the tensor-parallel plan leaves whole (Megatron's), split by tensor parallel in
+    `configure_model` when asked."""
+
+    def __init__(self, tensor_parallel: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        block = nn.ModuleDict({"up": nn.Linear(32, 64), "norm": nn.LayerNorm(32), "down": nn.Linear(64, 32)})
+        self.layers = nn.ModuleList([block])
+        self.head = nn.Linear(32, 256, bias=False)
+        self.head.weight = self.embed.weight
+        self.tensor_parallel = tensor_parallel
+
+    def configure_model(self) -> None:
+        if self.tensor_parallel:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            parallelize_module(self.layers[0], self.device_mesh["tensor_parallel"], plan)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        hidden = self.embed(batch)
+        block = self.layers[0]
+        hidden = hidden + block["down"](torch.relu(block["up"](block["norm"](hidden))))
+        logits = self.head(hidden)
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_a_tied_head_stays_tied_on_one_device() -> None:
+    """One device: the embedding and the head are one parameter in the simulation as in a real run (it was two:
+    twice their memory and optimizer state)."""
+    result = estimate(TiedLM, torch.empty(2, 16, dtype=torch.long, device="meta"), accelerator="neuron", devices=1)
+    parameters = 4 * (256 * 32 + 32 * 64 + 64 + 2 * 32 + 64 * 32 + 32)  # fp32 bytes, the tied matrix once
+    assert result.ranks[0].parameters == parameters
+    # AdamW's two moments of the tied matrix once (untied: twice, 2 x 32 KiB more)
+    assert result.ranks[0].optimizer_state < 2 * parameters + 4 * 256 * 32
+
+
+def test_a_norm_left_whole_inside_a_tensor_parallel_block_is_simulated() -> None:
+    """Megatron's layout (a LayerNorm before the column-wise and row-wise layers, whole on every rank): the
+    plugin's check that such parameters agree across the tensor-parallel ranks reads gradient values, which a
+    simulation has not; it is skipped there (it stopped the simulation)."""
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    result = estimate(
+        lambda: TiedLM(tensor_parallel=True),
+        torch.empty(2, 16, dtype=torch.long, device="meta"),
+        accelerator="neuron",
+        devices=2,
+        strategy=strategy,
+    )
+    assert result.fits and result.step_time() is not None
+
+
 def _patched() -> list[Any]:
     return [hook.owner.__dict__[hook.name] for hook in registry.SIMULATION_HOOKS]
 

@@ -1,5 +1,5 @@
 """The LLM recipe's `parallelize` (TorchTitan's `parallelize_llama` for Hugging Face's Llama) on the trn2 presets at
-their real world sizes: trn2-8b, 64 ranks as FSDP2 over 16 x tensor parallel over 4; trn2-70b, 4 nodes of 64 ranks
+their real world sizes: trn2-8b, 64 ranks as FSDP2 over 32 x tensor parallel over 2; trn2-70b, 4 nodes of 64 ranks
 as FSDP2 over 64 x tensor parallel over 4. The mesh is the one the preset's strategy builds, on the meta device over
 torch's fake process group (one process, no memory; two decoder layers, since every layer gets the same plan). Its
 numerics are proven elsewhere: tests/recipes/test_recipe_llm_native.py trains tensor parallel exactly like one device.
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.native_only
 @pytest.mark.parametrize(
     ("preset", "world_size", "mesh_shape", "lm_head_shard", "checkpointed"),
     [
-        ("trn2-8b", 64, (16, 4), (32000 // 4 // 16, 4096), False),
+        ("trn2-8b", 64, (32, 2), (32000 // 2 // 32, 4096), False),
         ("trn2-70b", 256, (64, 4), (128256 // 4 // 64, 8192), True),
     ],
 )

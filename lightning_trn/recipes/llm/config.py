@@ -38,13 +38,14 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "model.warmup_steps=200",
     ),
     # ~7.2 B (Llama-3-8B's shape with a 32k vocabulary) on a trn2.48xlarge: 64 logical NeuronCores of 24 GB (LNC=2),
-    # native backend, FSDP2 over 16 x tensor parallel over 4 (one chip; 1.9 GB of state per core), micro-batch 1, no
-    # activation checkpointing: re-planned with `python -m lightning_trn.estimate ... --plan` (docs/recipes.md), it
-    # needs about half a core at this global batch and saves the recomputed forward (a quarter of a step's FLOPs).
+    # native backend, FSDP2 over 32 x tensor parallel over 2 (half a chip), micro-batch 1, no activation
+    # checkpointing: the fastest layout that fits by `python -m lightning_trn.estimate ... --plan`'s step-time model
+    # (docs/recipes.md: 6,430 predicted tokens/s per chip, 7 % over tensor parallel 4; 18.76 GiB needed of 24), so
+    # 32 sequences per step (its 32 data-parallel ranks).
     "trn2-8b": (
         "trainer.devices=64",
         "trainer.strategy=model_parallel",
-        "model.tensor_parallel_size=4",
+        "model.tensor_parallel_size=2",
         "trainer.precision=bf16-mixed",
         "trainer.max_epochs=1",
         "trainer.limit_train_batches=1.0",
@@ -53,7 +54,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "trainer.log_every_n_steps=10",
         "data.vocab_size=32000",
         "data.seq_len=4096",
-        "data.global_batch_size=16",
+        "data.global_batch_size=32",
         "model.hidden_size=4096",
         "model.intermediate_size=14336",
         "model.num_layers=32",
