@@ -200,8 +200,8 @@ _CPU_ATTENTION = "aten::_scaled_dot_product_flash_attention_for_cpu"
 _CPU_ATTENTION_BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
 
 
-def _bytes(tree: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
@@ -257,7 +257,10 @@ class OpCount:
             flops = 2 * _attention_flops(*args[1:4])
             causal = bool(args[7] if len(args) > 7 else kwargs.get("is_causal", False))
             executed = flops // 2 if causal else flops
-        moved = _bytes((args, kwargs)) + _bytes(out)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        written = _nbytes(outputs)
+        moved = _nbytes(inputs) + written
         if flops is not None and executed is not None:
             attention = name in (_CPU_ATTENTION, _CPU_ATTENTION_BACKWARD) or "attention" in name
             (self.attention if attention else self.matmuls)[(executed, moved)] += 1
@@ -268,9 +271,7 @@ class OpCount:
             self.optimizer_bytes += moved
         else:
             self.memory_bytes += moved
-            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            self.fused_bytes += _bytes(outputs) + _bytes([t for t in inputs if _storage(t) not in self._chain])
+            self.fused_bytes += written + _nbytes([t for t in inputs if _storage(t) not in self._chain])
             for tensor in outputs:
                 self._chain[_storage(tensor)] = tensor
 
