@@ -190,3 +190,21 @@ def test_pipeline_parallel_size_is_refused_in_one_line(overrides: tuple[str, ...
         llm.trainer_args(cli.load_config(llm.RECIPE, [*HSDP_JOB, "model.pipeline_parallel_size=2", *overrides]))
     message = str(refused.value)
     assert expected in message and "\n" not in message, message
+
+
+def test_a_parameter_left_out_of_the_plan_is_listed_once_through_nested_module_dicts() -> None:
+    """Nested ModuleDicts reach a block's norm from every level (parts -> blocks -> b0): the check that such
+    parameters agree across the tensor-parallel ranks lists (and reduces) each once; its refusal named each twice."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_trn.core.parallel.model_parallel import _left_out_of_tensor_parallel
+
+    block = nn.ModuleDict({"norm": nn.LayerNorm(8), "up": nn.Linear(8, 16), "down": nn.Linear(16, 8)})
+    net = nn.ModuleDict({"parts": nn.ModuleDict({"blocks": nn.ModuleDict({"b0": block})})})
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        names = [name for name, _ in _left_out_of_tensor_parallel(net)]
+    assert names == ["parts.blocks.b0.norm.weight", "parts.blocks.b0.norm.bias"]

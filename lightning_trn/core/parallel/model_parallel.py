@@ -363,14 +363,18 @@ def _left_out_of_tensor_parallel(module: Module) -> list[tuple[str, Tensor]]:
     from torch.nn import ModuleDict, ModuleList
 
     left: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()  # nested ModuleDicts reach a parameter once per level: it is listed (and reduced) once
     for stack_name, stack in module.named_modules():
         if not isinstance(stack, (ModuleList, ModuleDict)):
             continue
         for block_name, block in stack.named_children():
             parameters = list(block.named_parameters())
             if any(_on_tensor_parallel(p) for _, p in parameters):
-                prefix = _unwrapped_name(f"{stack_name}.{block_name}.")
-                left += [(prefix + _unwrapped_name(n), p) for n, p in parameters if not _on_tensor_parallel(p)]
+                prefix = _unwrapped_name(f"{stack_name}.{block_name}." if stack_name else f"{block_name}.")
+                for name, parameter in parameters:
+                    if not _on_tensor_parallel(parameter) and id(parameter) not in seen:
+                        seen.add(id(parameter))
+                        left.append((prefix + _unwrapped_name(name), parameter))
     return left
 
 
@@ -406,11 +410,13 @@ def check_tensor_parallel_gradients(module: Module, mesh: Any) -> None:
             f"Tensor parallel over {mesh['tensor_parallel'].size()} ranks: {listed(sorted(diverging))} "
             f"{'is' if len(diverging) == 1 else 'are'} inside blocks that the tensor-parallel plan splits, left out "
             "of the plan (a whole copy on every rank), and the ranks computed different gradients for "
-            f"{'it' if len(diverging) == 1 else 'them'}: the input was split over the ranks, so each rank's "
-            "gradient is only its part and the copies would drift apart. Nothing was updated. Add them to the plan "
-            "of `parallelize_module`: a norm over each attention head's features (Qwen3's q_norm and k_norm) takes "
-            "`SequenceParallel(sequence_dim=2, use_local_output=True)`, as TorchTitan's Qwen3 plan; a norm over "
-            "the sequence-split hidden states takes `SequenceParallel()`."
+            f"{'it' if len(diverging) == 1 else 'them'}, so the copies would drift apart. Nothing was updated. "
+            "Either their input was split over the ranks, so each rank's gradient is only its part: add them to "
+            "the plan of `parallelize_module` (a norm over each attention head's features, Qwen3's q_norm and "
+            "k_norm, takes `SequenceParallel(sequence_dim=2, use_local_output=True)`, as TorchTitan's Qwen3 plan; a "
+            "norm over the sequence-split hidden states takes `SequenceParallel()`). Or the parameters the plan "
+            "leaves whole started different on each rank (an embedding or head initialized without a common "
+            "seed): call `lightning.seed_everything(...)` before the model is built, or load its weights."
         )
 
 
