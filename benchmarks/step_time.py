@@ -114,7 +114,7 @@ def trn1_row(tiny: bool) -> Row:
 
     from lightning_trn.estimate import RECIPE, estimate, native_device
     from lightning_trn.estimate.__main__ import recipe_batch
-    from lightning_trn.estimate.step_time import HARDWARE, overlapped, predict
+    from lightning_trn.estimate.step_time import HARDWARE, collective_seconds, overlapped, predict
     from lightning_trn.recipes import cli, llm
 
     native_device()
@@ -154,15 +154,15 @@ def trn1_row(tiny: bool) -> Row:
         hardware,
         tokens_per_step=work.tokens_per_step,
     )
-    once = predict(type(work.ops)(), [c for c in result.collectives if overlapped(c.op)], hardware)
     # ZeRO-1's collectives after the accumulated micro-batches, not beside them
-    step_s = accumulate * per_micro.step_s + once.exposed_s + once.overlapped_s
+    once = sum(collective_seconds([c for c in result.collectives if overlapped(c.op)], hardware))
+    step_s = accumulate * per_micro.step_s + once
     per_chip = accumulate * (work.tokens_per_step or 0.0) * hardware.ranks_per_chip / step_s
     published = 47.95 * 8192 / (32 * 16)
     detail = [
         f"  per micro-batch: compute {per_micro.compute_s:.3f} s (matrix products {per_micro.matmul_s:.3f} s), "
         f"tensor parallel's collectives {per_micro.exposed_s:.3f} s; x {accumulate} micro-batches + ZeRO-1's "
-        f"once per step {once.exposed_s + once.overlapped_s:.3f} s = {step_s:.2f} s per step "
+        f"once per step {once:.3f} s = {step_s:.2f} s per step "
         f"(published: {1024 / 47.95:.2f} s)",
         f"  simulated in {seconds:.0f} s",
     ]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_trn.estimate.report import API, Estimate
-from lightning_trn.estimate.step_time import seconds
+from lightning_trn.estimate.step_time import StepTime, seconds
 
 _GIB = 2**30
 #: the micro-batches tried by default, smallest first: memory grows with the micro-batch, so the first that does not
@@ -27,12 +27,6 @@ class Layout:
     activation_checkpointing: bool
     micro_batch: int | None
     estimate: Estimate
-
-    @property
-    def throughput(self) -> float:
-        """Predicted tokens/s per chip (`Estimate.step_time`); 0 when unknown."""
-        timing = self.estimate.step_time()
-        return (timing.tokens_per_s_per_chip or 0.0) if timing is not None else 0.0
 
 
 #: what `plan` asks the caller for each layout: (module factory, one micro-batch, Trainer arguments)
@@ -75,6 +69,11 @@ def plan(
     return layouts
 
 
+def _tokens_per_s(timing: StepTime | None) -> float:
+    """Predicted tokens/s per chip; 0 when unknown (no prediction, or no token ids in the batch)."""
+    return (timing.tokens_per_s_per_chip or 0.0) if timing is not None else 0.0
+
+
 def format_plan(layouts: Sequence[Layout]) -> str:
     """The plan as a table, one row per layout: the layouts that fit first, fastest first (predicted tokens/s per
     chip at their largest micro-batch), then the ones that do not."""
@@ -83,12 +82,13 @@ def format_plan(layouts: Sequence[Layout]) -> str:
         f" | {'tokens/s per chip':>17} | {'MFU':>6} | {'step':>8}"
     )
     lines = [header]
-    order = sorted(layouts, key=lambda layout: (layout.micro_batch is None, -layout.throughput))
-    for layout in order:
+    # each layout's prediction once: the order and its row read it
+    timed = [(layout, layout.estimate.step_time() if layout.micro_batch is not None else None) for layout in layouts]
+    order = sorted(timed, key=lambda pair: (pair[0].micro_batch is None, -_tokens_per_s(pair[1])))
+    for layout, timing in order:
         fits = str(layout.micro_batch) if layout.micro_batch is not None else "none fits"
         needed = f"{layout.estimate.needed / _GIB:.2f} GiB"
-        timing = layout.estimate.step_time() if layout.micro_batch is not None else None
-        speed = f"{layout.throughput:,.0f}" if timing is not None and timing.tokens_per_s_per_chip else "-"
+        speed = f"{_tokens_per_s(timing):,.0f}" if timing is not None and timing.tokens_per_s_per_chip else "-"
         mfu = f"{100 * timing.mfu:.1f} %" if timing is not None else "-"
         step = seconds(timing.step_s) if timing is not None else "-"
         lines.append(
@@ -97,7 +97,7 @@ def format_plan(layouts: Sequence[Layout]) -> str:
         )
     capacity = layouts[0].estimate.capacity / _GIB if layouts else 0
     lines.append(f"capacity per rank: {capacity:.2f} GiB (needed: peak x (1 + margin) + reserved)")
-    timing = next((layout.estimate.step_time() for layout in order if layout.micro_batch is not None), None)
+    timing = next((timing for _, timing in order if timing is not None), None)
     if timing is not None:
         lines.append(
             'tokens/s per chip, MFU and step: the step-time model (docs/sharding.md, "How fast?") at the largest '

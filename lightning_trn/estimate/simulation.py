@@ -190,15 +190,13 @@ def _collectives(modes: list[Any]) -> list[Collective]:
     counts: dict[Any, int] = defaultdict(int)
     sizes: dict[Any, int] = defaultdict(int)
     across: dict[Any, int] = defaultdict(int)
+    wire: dict[Any, float] = defaultdict(float)
+    wire_across: dict[Any, float] = defaultdict(float)
     for mode in modes:
         for packet, count in mode.get_comm_counts().items():
             counts[packet] += count
             sizes[packet] += mode.comm_bytes.get(packet, 0)
             across[packet] += mode.cross_node_bytes.get(packet, 0)
-    wire: dict[Any, float] = defaultdict(float)
-    wire_across: dict[Any, float] = defaultdict(float)
-    for mode in modes:
-        for packet in {*mode.wire, *mode.cross_node_wire}:
             wire[packet] += mode.wire.get(packet, 0.0)
             wire_across[packet] += mode.cross_node_wire.get(packet, 0.0)
     return [

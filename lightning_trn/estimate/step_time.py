@@ -387,6 +387,21 @@ class StepTime:
         return lines + [f"  constants: {source}" for source in hw.sources]
 
 
+def collective_seconds(collectives: Sequence[Collective], hardware: Hardware) -> tuple[float, float]:
+    """Seconds of `collectives` on `hardware` (module docstring's link rule): those on the critical path, and those
+    beside the compute (`overlapped`)."""
+    link = hardware.link_bytes_per_s / hardware.ranks_per_chip
+    network = hardware.network_bytes_per_s / hardware.ranks_per_node
+    exposed = beside = 0.0
+    for collective in collectives:
+        duration = collective.wire_within / link + collective.wire_across / network
+        if overlapped(collective.op):
+            beside += duration
+        else:
+            exposed += duration
+    return exposed, beside
+
+
 def predict(
     ops: OpCount,
     collectives: Sequence[Collective],
@@ -410,15 +425,7 @@ def predict(
         for (flops, moved), count in products.items()
     )
     memory_s = ((ops.fused_bytes if compiled else ops.memory_bytes) + ops.optimizer_bytes) / hbm
-    link = hardware.link_bytes_per_s / hardware.ranks_per_chip
-    network = hardware.network_bytes_per_s / hardware.ranks_per_node
-    exposed = beside = 0.0
-    for collective in collectives:
-        seconds = collective.wire_within / link + collective.wire_across / network
-        if overlapped(collective.op):
-            beside += seconds
-        else:
-            exposed += seconds
+    exposed, beside = collective_seconds(collectives, hardware)
     compute = matmul_s + memory_s
     step = (compute + exposed) / (1 - bubble) + max(0.0, beside - compute)
     mfu = ops.model_flops / (step * peak) if step else 0.0
