@@ -13,6 +13,8 @@ if _os.environ.get("LIGHTNING_TRN_STANDIN", "").strip().lower() in ("1", "true",
 from lightning_trn.accelerator import NeuronAccelerator
 from lightning_trn.core.checkpoint.checkpoint_io import NeuronCheckpointIO
 from lightning_trn.core.checkpoint.pretrained import load_pretrained, meta_model_from_pretrained
+from lightning_trn.core.parallel.context_parallel import sequence_sums, token_mean
+from lightning_trn.core.parallel.parallel_dims import ParallelDims
 from lightning_trn.core.parallel.pipeline import Pipeline, pipeline_split
 from lightning_trn.pytorch.callbacks import CompileMonitor, NeuronCompileCache, NeuronCompilerFlags, NeuronHealthCheck
 from lightning_trn.pytorch.precision import NeuronPrecision
@@ -36,6 +38,7 @@ __all__ = [
     "NeuronModelParallelStrategy",
     "NeuronPrecision",
     "NeuronUnavailableError",
+    "ParallelDims",
     "Pipeline",
     "SingleDeviceNeuronStrategy",
     "__version__",
@@ -44,4 +47,6 @@ __all__ = [
     "load_pretrained",
     "meta_model_from_pretrained",
     "pipeline_split",
+    "sequence_sums",
+    "token_mean",
 ]

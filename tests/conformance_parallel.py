@@ -37,7 +37,8 @@ from typing import Any, NamedTuple
 #: model families: a user's module as docs/sharding.md shows it, nanoGPT's nested ModuleDict with tied weights, and
 #: every `SUPPORTED_MODEL_TYPES` entry through the LLM recipe's pretrained path (tiny `save_pretrained` folders), the
 #: tied-embedding variants of the two families whose small checkpoints tie (Llama 3.2, Qwen2.5)
-FAMILIES = ("user", "nanogpt_tied", "llama", "mistral", "qwen2", "qwen3", "llama_tied", "qwen2_tied")
+#: and Llama on packed sequences (documents kept apart by position ids and the mask, `llama_packed`)
+FAMILIES = ("user", "nanogpt_tied", "llama", "mistral", "qwen2", "qwen3", "llama_tied", "qwen2_tied", "llama_packed")
 
 #: layouts: ranks (`world`) and the strategy's mesh; pipeline layouts have 2 pipeline ranks and 4 layers
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -54,7 +55,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp_tp": {"world": 4, "pp": 2, "tp": 2, "schedule": "1F1B"},
     "pp_tp_fsdp2": {"world": 8, "pp": 2, "tp": 2, "dp": 2, "schedule": "1F1B"},
     "compiled_fsdp2_tp": {"world": 4, "dp": 2, "tp": 2, "compile": True},
+    "cp": {"world": 2, "cp": 2},
+    "cp4": {"world": 4, "cp": 4},
+    "cp_fsdp2": {"world": 4, "dp": 2, "cp": 2},
+    "cp_tp": {"world": 4, "cp": 2, "tp": 2},
 }
+#: the context-parallel layouts: each sequence split over the context ranks
+CONTEXT_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if layout.get("cp", 1) > 1)
 
 #: training events: optimizer steps (`steps`), sequences in the dataset (8 per batch on every layout), and what
 #: happens on the way
@@ -95,6 +102,9 @@ CORE: tuple[Cell, ...] = (
     Cell("mistral", "fsdp2", "predict"),
     Cell("qwen2_tied", "hsdp", "val_in_window"),
     Cell("user", "ddp", "last_batch"),
+    Cell("llama_packed", "cp_fsdp2", "resume"),  # packed documents, context parallel x FSDP2, stopped and resumed
+    Cell("qwen3", "cp_tp", "val_in_window"),  # context x tensor parallel, Qwen3's per-head norms, validation
+    Cell("nanogpt_tied", "cp", "accumulate"),  # refused: a module sharded over data alone under context parallel
 )
 
 #: the cells that must be refused (every other cell must equal one device): the recipe refuses a tied head under
@@ -118,6 +128,14 @@ EXPECTED: dict[Cell, str] = {
     },
     # 4 microbatches (2 ranks x 2 stages) and 2 data-parallel ranks: the last batch, 2 per rank, does not divide
     **{Cell(family, "pp_zbv_fsdp2", "last_batch"): "refused" for family in FAMILIES},
+    # context parallel: the two user modules shard over `device_mesh["data_parallel"]` alone (their gradients would
+    # not be summed over the context ranks), refused at setup (`check_replicated_sharding`)
+    **{
+        Cell(family, layout, event): "refused"
+        for family in ("user", "nanogpt_tied")
+        for layout in CONTEXT_LAYOUTS
+        for event in EVENTS
+    },
 }
 
 ROOT = Path(__file__).resolve().parents[1]

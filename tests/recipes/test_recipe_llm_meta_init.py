@@ -110,7 +110,7 @@ def test_meta_init_without_a_mesh_is_materialized_in_configure_model(tmp_path: P
     torch.manual_seed(SEED)
     module = llm.CausalLM(meta_init=True, **MODEL)
     tokens = torch.randint(0, MODEL["vocab_size"], (4, MODEL["seq_len"]))
-    loader = torch.utils.data.DataLoader(llm.data._BlockDataset(tokens, tokens), batch_size=4)
+    loader = torch.utils.data.DataLoader(llm.data._BlockDataset({"input_ids": tokens, "labels": tokens}), batch_size=4)
     pl.Trainer(
         accelerator="cpu",
         devices=1,

@@ -60,11 +60,15 @@ GLOBAL_BATCH = 8
 LR = 0.01
 
 
+#: the Hugging Face families' sequence length: a multiple of 8, so that context parallel 4 cuts it into 2 x 4 chunks
+HF_LENGTH = 16
+
+
 class Tokens(Dataset):
     """`count` random sequences with their index (predictions are compared per sample)."""
 
-    def __init__(self, count: int) -> None:
-        self.tokens = torch.randint(0, VOCAB, (count, LENGTH), generator=torch.Generator().manual_seed(SEED))
+    def __init__(self, count: int, length: int = LENGTH) -> None:
+        self.tokens = torch.randint(0, VOCAB, (count, length), generator=torch.Generator().manual_seed(SEED))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -211,7 +215,7 @@ def pretrained_folder(root: Path, model_type: str, tied: bool) -> Path:
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=WIDTH // 4,
-            max_position_embeddings=LENGTH,
+            max_position_embeddings=HF_LENGTH,
             tie_word_embeddings=tied,
         )
         torch.manual_seed(SEED)
@@ -221,32 +225,47 @@ def pretrained_folder(root: Path, model_type: str, tied: bool) -> Path:
     return folder
 
 
-def hugging_face_module(folder: Path, dtype: torch.dtype) -> pl.LightningModule:
+def packed_positions(index: torch.Tensor, length: int) -> torch.Tensor:
+    """Position ids of packed sequences (the `llama_packed` family): three documents per sequence, their boundaries
+    moving with the sample's index, each document's positions from 0."""
+    rows = []
+    for i in index.tolist():
+        first, second = 3 + i % 5, 9 + i % 4
+        rows.append(torch.cat([torch.arange(first), torch.arange(second - first), torch.arange(length - second)]))
+    return torch.stack(rows).to(index.device)
+
+
+def hugging_face_module(folder: Path, dtype: torch.dtype, packed: bool = False) -> pl.LightningModule:
     """The LLM recipe's own LightningModule on a pretrained folder (`model.pretrained=DIR`), with a `predict_step` and
-    a record of the losses (what a user's subclass adds)."""
+    a record of the losses (what a user's subclass adds). Its batches become the recipe's dicts once on the device
+    (`on_after_batch_transfer`), before a context-parallel strategy splits them; `packed`: with position ids of
+    three documents per sequence (`packed_positions`), a document's first token unlabelled."""
     from lightning_trn.recipes.llm.model import CausalLM
 
     class RecordedCausalLM(CausalLM):
         def __init__(self) -> None:
-            super().__init__(pretrained=str(folder), seq_len=LENGTH, lr=LR, warmup_steps=1)
+            super().__init__(pretrained=str(folder), seq_len=HF_LENGTH, lr=LR, warmup_steps=1)
             self.net.to(dtype)
             self.record: dict[str, Any] = {"losses": [], "val_losses": [], "predictions": {}}
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            _, tokens = batch
-            return super().training_step({"input_ids": tokens, "labels": tokens}, batch_idx)
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> dict[str, torch.Tensor]:
+            index, tokens = batch
+            if not packed:
+                return {"index": index, "input_ids": tokens, "labels": tokens}
+            positions = packed_positions(index, tokens.shape[1])
+            labels = tokens.masked_fill(positions == 0, -100)
+            return {"index": index, "input_ids": tokens, "labels": labels, "position_ids": positions}
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
-            _, tokens = batch
-            total, count = self.loss_sum({"input_ids": tokens, "labels": tokens})
+            total, count = lightning_trn.sequence_sums(*self.loss_sum(batch))
             self.record["val_losses"].append(float(total / count))
 
         def predict_step(self, batch: Any, batch_idx: int) -> Any:
-            index, tokens = batch
+            index, tokens = batch["index"], batch["input_ids"]
             if self._pipeline is not None:
                 logits = self._pipeline.predict(tokens)
             else:
-                logits = self(tokens)
+                logits = self(tokens, batch.get("position_ids"))
                 logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
             return {int(i): float(row.double().sum()) for i, row in zip(index, logits, strict=True)}
 
@@ -265,8 +284,9 @@ def build_module(cell: Cell, dtype: torch.dtype, root: Path) -> pl.LightningModu
     elif family == "nanogpt_tied":
         module = TokenLM(NanoGPT, dtype)
     else:
-        model_type, _, tied = family.partition("_")
-        module = hugging_face_module(pretrained_folder(root, model_type, tied == "tied"), dtype)
+        model_type, _, variant = family.partition("_")
+        folder = pretrained_folder(root, model_type, variant == "tied")
+        module = hugging_face_module(folder, dtype, packed=variant == "packed")
     module.compiled = LAYOUTS.get(cell.layout, {}).get("compile", False)  # type: ignore[assignment]
     return module
 
@@ -283,6 +303,7 @@ def strategy_for(cell: Cell, accelerator: str) -> Any:
         pipeline_parallel_size=layout.get("pp", 1),
         replicate_size=layout.get("replicate", 1),
         pipeline_schedule=layout.get("schedule", "1F1B"),
+        context_parallel_size=layout.get("cp", 1),
     )
 
 
@@ -354,7 +375,8 @@ def run_cell(cell: Cell, accelerator: str, dtype: torch.dtype, out: Path) -> dic
     event = EVENTS[cell.event]
     layout = LAYOUTS[cell.layout] if accelerator != "cpu" else {"world": 1}
     devices = layout["world"]
-    dataset = Tokens(event["sequences"])
+    length = LENGTH if cell.family in ("user", "nanogpt_tied") else HF_LENGTH
+    dataset = Tokens(event["sequences"], length)
 
     def trainer(**extra: Any) -> pl.Trainer:
         settings: dict[str, Any] = {
@@ -381,7 +403,9 @@ def run_cell(cell: Cell, accelerator: str, dtype: torch.dtype, out: Path) -> dic
     recorded = [adam] if accelerator == "cpu" else []
     train = loader(dataset, cell, accelerator, GLOBAL_BATCH)
     val = (
-        loader(Tokens(GLOBAL_BATCH), cell, accelerator, GLOBAL_BATCH, shuffle=False) if event.get("validate") else None
+        loader(Tokens(GLOBAL_BATCH, length), cell, accelerator, GLOBAL_BATCH, shuffle=False)
+        if event.get("validate")
+        else None
     )
     if event.get("resume"):
         checkpoint = out / f"{cell.name}-{accelerator}-{dtype}.ckpt"
@@ -395,7 +419,8 @@ def run_cell(cell: Cell, accelerator: str, dtype: torch.dtype, out: Path) -> dic
         run.fit(module, train, val)
         if event.get("predict"):
             STEPS_RUN[0] = 0  # a refusal of `predict` comes before its first batch
-            run.predict(module, loader(Tokens(GLOBAL_BATCH), cell, accelerator, GLOBAL_BATCH // 2, shuffle=False))
+            predicted = Tokens(GLOBAL_BATCH, length)
+            run.predict(module, loader(predicted, cell, accelerator, GLOBAL_BATCH // 2, shuffle=False))
             for outputs in run.predict_loop.predictions or []:
                 module.record["predictions"].update(outputs)
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))

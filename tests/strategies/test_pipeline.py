@@ -264,12 +264,14 @@ def test_parallel_dims_name_each_dimension_and_resolve_auto() -> None:
         "pipeline_parallel": 1,
         "replicate": 1,
         "data_parallel": 2,
+        "context_parallel": 1,
         "tensor_parallel": 4,
     }
     assert ParallelDims(pipeline_parallel=4, tensor_parallel=8).sizes(4, 8) == {
         "pipeline_parallel": 4,
         "replicate": 1,
         "data_parallel": 1,
+        "context_parallel": 1,
         "tensor_parallel": 8,
     }
     assert ParallelDims(2, 1, 2, "auto").check("S", 1, 4)["data_parallel"] == 2  # data 2 x tensor 1 x pipeline 2

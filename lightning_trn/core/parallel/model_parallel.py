@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_trn.core.checkpoint.safetensors_blocks import file_shapes, listed, local_block, read_into, weight_files
-from lightning_trn.core.parallel.parallel_dims import ParallelDims
+from lightning_trn.core.parallel.parallel_dims import DATA_CONTEXT, ParallelDims
 from lightning_trn.runtime import DeviceRuntime
 
 #: the arguments of Lightning's `ModelParallelStrategy` (Trainer and Fabric) and the attributes that hold them
@@ -329,12 +329,31 @@ def broadcast_replicated(module: Module, device: torch.device, group: Any = None
 
 
 def check_replicated_sharding(module: Module, mesh: Any) -> None:
-    """With HSDP replicas, refuse a module sharded over the data-parallel dimension alone: its gradients would never
-    be reduced over the replicas, and the replicas would drift apart silently."""
-    if "replicate" not in mesh.mesh_dim_names:
-        return
+    """Refuse parameters whose gradients would never be reduced over a dimension whose ranks compute different
+    ones: with HSDP replicas, a module sharded over the data-parallel dimension alone; with context parallel (each
+    rank a part of every sequence), a trainable parameter not sharded over data x context (`fsdp_mesh`). The copies
+    would drift apart silently."""
     from torch.distributed.tensor import DTensor
 
+    names = mesh.mesh_dim_names or ()
+    if "context_parallel" in names:
+        alone = sorted(
+            name
+            for name, parameter in module.named_parameters()
+            if parameter.requires_grad
+            and not (isinstance(parameter, DTensor) and DATA_CONTEXT in (parameter.device_mesh.mesh_dim_names or ()))
+        )
+        if alone:
+            raise ValueError(
+                f"The device mesh has a context-parallel dimension (context_parallel_size="
+                f"{mesh['context_parallel'].size()}: each rank computes the gradients of its part of every "
+                f"sequence), but {listed(alone)} are not sharded over data x context, so their gradients would not "
+                "be summed over the context ranks. Shard the model with FSDP2 over "
+                "`lightning_trn.ParallelDims.fsdp_mesh(self.device_mesh)` (the flattened "
+                f'`device_mesh["{DATA_CONTEXT}"]`, with "replicate" before it for HSDP), every block and the root.'
+            )
+    if "replicate" not in names:
+        return
     alone = sorted(
         name
         for name, parameter in module.named_parameters()

@@ -2,17 +2,22 @@
 that both model-parallel strategies hold and the LLM recipe reads, so that a new dimension is one field here.
 
 The dimensions go outermost first, TorchTitan's order: pipeline stages and HSDP replicas across nodes, tensor parallel
-inside a node. "pipeline_parallel" and "replicate" are in the mesh only when above 1, so a module written for
-Lightning's 2-D mesh ("data_parallel", "tensor_parallel") runs unchanged.
+inside a node, context parallel (each sequence split, `context_parallel.py`) just outside it. "pipeline_parallel",
+"replicate" and "context_parallel" are in the mesh only when above 1, so a module written for Lightning's 2-D mesh
+("data_parallel", "tensor_parallel") runs unchanged. With context parallel, FSDP2 shards over data x context
+together (`fsdp_mesh`), as TorchTitan's "dp_shard_cp".
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 #: the device mesh's dimensions, outermost first
-MESH_DIMENSIONS = ("pipeline_parallel", "replicate", "data_parallel", "tensor_parallel")
+MESH_DIMENSIONS = ("pipeline_parallel", "replicate", "data_parallel", "context_parallel", "tensor_parallel")
+#: the flattened data x context dimension FSDP2 shards over under context parallelism (`fsdp_mesh`)
+DATA_CONTEXT = "data_context_parallel"
 #: the dimensions that may be "auto" (Lightning's `ModelParallelStrategy` arguments)
 _AUTO = ("data_parallel", "tensor_parallel")
 #: each dimension's argument in the strategies and the recipe
@@ -20,6 +25,7 @@ ARGUMENTS = {
     "pipeline_parallel": "pipeline_parallel_size",
     "replicate": "replicate_size",
     "data_parallel": "data_parallel_size",
+    "context_parallel": "context_parallel_size",
     "tensor_parallel": "tensor_parallel_size",
 }
 
@@ -35,11 +41,13 @@ class ParallelDims:
     replicate: int = 1
     data_parallel: Size = "auto"
     tensor_parallel: Size = "auto"
+    context_parallel: int = 1
 
     @property
     def outer(self) -> int:
-        """The dimensions beyond Lightning's two (pipeline x replicate); 1: Lightning's own 2-D mesh serves."""
-        return self.pipeline_parallel * self.replicate
+        """The dimensions beyond Lightning's two (pipeline x replicate x context); 1: Lightning's own 2-D mesh
+        serves."""
+        return self.pipeline_parallel * self.replicate * self.context_parallel
 
     def sizes(self, num_nodes: int, num_processes: int) -> dict[str, int]:
         """The size of each dimension, "auto" resolved: as Lightning's `ModelParallelStrategy` without pipeline
@@ -52,7 +60,8 @@ class ParallelDims:
             data = self.data_parallel
         else:
             data = num_nodes if lightnings else max(world // (self.outer * tensor), 1)
-        return dict(zip(MESH_DIMENSIONS, (self.pipeline_parallel, self.replicate, data, tensor), strict=True))
+        sizes = (self.pipeline_parallel, self.replicate, data, self.context_parallel, tensor)
+        return dict(zip(MESH_DIMENSIONS, sizes, strict=True))
 
     def check(self, owner: str, num_nodes: int, num_processes: int) -> dict[str, int]:
         """The resolved sizes, once the devices and nodes are known (at `Trainer(...)` / `Fabric(...)`), after
@@ -65,9 +74,17 @@ class ParallelDims:
                     f"{owner}({name}={size!r}): each mesh size is a positive whole number"
                     + (' or "auto".' if name in (ARGUMENTS[d] for d in _AUTO) else ".")
                 )
+        if self.context_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError(
+                f"{owner}(context_parallel_size={self.context_parallel}, pipeline_parallel_size="
+                f"{self.pipeline_parallel}): context parallelism does not run with pipeline stages yet (the stages "
+                "would hand over split sequences, which no test here has proven equal to one device). Use the "
+                "context ranks for FSDP2 and tensor parallel instead (context_parallel_size with data_parallel_size "
+                "and tensor_parallel_size), or pipeline stages without context parallelism."
+            )
         sizes = self.sizes(num_nodes, num_processes)
         processes = num_nodes * num_processes
-        product = sizes["pipeline_parallel"] * sizes["replicate"] * sizes["data_parallel"] * sizes["tensor_parallel"]
+        product = math.prod(sizes.values())
         if product != processes:
             shown = [ARGUMENTS[d] for d in _AUTO]
             arguments = ", ".join(f"{name}={size!r}" for name, size in given.items() if size != 1 or name in shown)
@@ -83,12 +100,24 @@ class ParallelDims:
 
     @staticmethod
     def build_mesh(sizes: dict[str, int], device_type: str) -> Any:
-        """The device mesh of `sizes` (`ParallelDims.sizes`): "data_parallel" and "tensor_parallel" always,
-        "pipeline_parallel" and "replicate" where above 1."""
+        """The device mesh of `sizes` (`ParallelDims.sizes`): "data_parallel" and "tensor_parallel" always, the
+        others where above 1; with "context_parallel", also data x context flattened (`DATA_CONTEXT`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         dimensions = {name: size for name, size in sizes.items() if size > 1 or name in _AUTO}
-        return init_device_mesh(device_type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
+        mesh = init_device_mesh(device_type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
+        if "context_parallel" in dimensions:
+            mesh["data_parallel", "context_parallel"]._flatten(DATA_CONTEXT)
+        return mesh
+
+    @staticmethod
+    def fsdp_mesh(mesh: Any) -> Any:
+        """The mesh FSDP2 shards over: "data_parallel", or with context parallel data x context flattened (each
+        context rank computes gradients of its part of the sequences, which FSDP2's reduce-scatter sums), with
+        "replicate" before it where there are HSDP replicas (a 2-D mesh makes `fully_shard` HSDP)."""
+        names = mesh.mesh_dim_names or ()
+        shard = DATA_CONTEXT if "context_parallel" in names else "data_parallel"
+        return mesh["replicate", shard] if "replicate" in names else mesh[shard]
 
     @staticmethod
     def sampler_kwargs(mesh: Any) -> dict[str, int]:

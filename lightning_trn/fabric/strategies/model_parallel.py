@@ -36,6 +36,7 @@ from lightning_trn.core.parallel.model_parallel import (
     materialize,
     setup_outer_mesh,
 )
+from lightning_trn.core.parallel.context_parallel import ContextParallel
 from lightning_trn.core.parallel.parallel_dims import ParallelDims
 from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, Pipelining
 from lightning_trn.core.parallel.process_group import ProcessGroup
@@ -59,7 +60,9 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
             built on the meta device reads each rank's shards from it instead of drawing its initial weights on
             every rank's host.
         pipeline_parallel_size, replicate_size, pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank,
-            stage_transport: as the Trainer's `NeuronModelParallelStrategy`.
+            stage_transport, context_parallel_size: as the Trainer's `NeuronModelParallelStrategy`; under
+            context parallelism the loop splits each batch itself, around its forward:
+            `with fabric.strategy.context_parallel.step(batch) as batch: loss = model(batch)`.
 
     Raises:
         ValueError: on a backend that cannot shard models (XLA), at construction.
@@ -85,6 +88,7 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         pipeline_microbatches: int | None = None,
         pipeline_stages_per_rank: int = 2,
         stage_transport: str | None = None,
+        context_parallel_size: int = 1,
     ) -> None:
         check_shards_models(self.runtime, type(self).__name__, pipeline_parallel_size)
         super().__init__(
@@ -101,8 +105,10 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
         #: the mesh's sizes, the one owner of them (Lightning's `_data_parallel_size` and `_tensor_parallel_size`
         #: are what its own setup reads)
         self._parallel_dims = ParallelDims(
-            pipeline_parallel_size, replicate_size, data_parallel_size, tensor_parallel_size
+            pipeline_parallel_size, replicate_size, data_parallel_size, tensor_parallel_size, context_parallel_size
         )
+        #: the split of each step's sequences (set up with the mesh)
+        self._context_parallel = ContextParallel()
         self._checked_tensor_parallel = False
         #: the module `setup_module` sharded (Fabric's strategies hold none)
         self._module: Module | None = None
@@ -128,6 +134,13 @@ class NeuronModelParallelStrategy(NeuronFabricStrategyBase, ModelParallelStrateg
     def setup_environment(self) -> None:
         """Lightning's, with the N-D mesh where there are pipeline stages or replicas (`setup_outer_mesh`)."""
         setup_outer_mesh(self, super().setup_environment, self._parallel_dims, self._pipelining, self.precision)
+        self._context_parallel = ContextParallel.of(self.device_mesh)
+
+    @property
+    def context_parallel(self) -> ContextParallel:
+        """The split of a batch's sequences over the context-parallel ranks (size 1: none): the loop enters its
+        `step(batch)` around the forward."""
+        return self._context_parallel
 
     @property
     @override

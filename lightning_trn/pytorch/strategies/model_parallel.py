@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_trn.core.checkpoint.checkpointer import CheckpointLayout
 from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_FILE
+from lightning_trn.core.parallel.context_parallel import ContextParallel
 from lightning_trn.core.parallel.dtensor_random import refuse_local_dropout
 from lightning_trn.core.parallel.model_parallel import (
     broadcast_replicated,
@@ -75,6 +76,9 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         pipeline_stages_per_rank: stages on each rank for the interleaved schedules.
         stage_transport: how stages exchange tensors: "broadcast" (2-rank broadcasts) or "send_recv"; None: the
             backend's point-to-point where it has it, else broadcasts.
+        context_parallel_size: ranks each sequence is split over (`lightning_trn.core.parallel.context_parallel`):
+            the batch Lightning hands `training_step`, `validation_step` and `test_step` is split along its sequence
+            here (`predict_step` gets it whole); FSDP2 shards over data x context (`ParallelDims.fsdp_mesh`).
 
     Raises:
         ValueError: on a backend that cannot shard models (XLA), at construction.
@@ -98,6 +102,7 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         pipeline_microbatches: int | None = None,
         pipeline_stages_per_rank: int = 2,
         stage_transport: str | None = None,
+        context_parallel_size: int = 1,
     ) -> None:
         check_shards_models(self.runtime, type(self).__name__, pipeline_parallel_size)
         super().__init__(
@@ -112,8 +117,10 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         #: the mesh's sizes, the one owner of them (Lightning's `_data_parallel_size` and `_tensor_parallel_size`
         #: are what its own setup reads)
         self._parallel_dims = ParallelDims(
-            pipeline_parallel_size, replicate_size, data_parallel_size, tensor_parallel_size
+            pipeline_parallel_size, replicate_size, data_parallel_size, tensor_parallel_size, context_parallel_size
         )
+        #: the split of each step's sequences (set up with the mesh)
+        self._context_parallel = ContextParallel()
         self._checked_tensor_parallel = False
         self._pipelining = Pipelining(
             self._parallel_dims.pipeline_parallel,
@@ -145,6 +152,34 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
         setup_outer_mesh(self, super().setup_environment, self._parallel_dims, self._pipelining, self.precision_plugin)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        self._context_parallel = ContextParallel.of(self._device_mesh)
+
+    @property
+    def context_parallel(self) -> ContextParallel:
+        """The split of each step's sequences over the context-parallel ranks (size 1: none)."""
+        return self._context_parallel
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, on this rank's part of the batch's sequences under context parallelism (`ContextParallel.step`:
+        the one place the batch is split)."""
+        batch, *rest = args
+        with self._context_parallel.step(batch) as local:
+            return super().training_step(local, *rest, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """As `training_step`."""
+        batch, *rest = args
+        with self._context_parallel.step(batch) as local:
+            return super().validation_step(local, *rest, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """As `training_step`."""
+        batch, *rest = args
+        with self._context_parallel.step(batch) as local:
+            return super().test_step(local, *rest, **kwargs)
 
     @property
     @override

@@ -25,6 +25,7 @@ from lightning_trn.recipes.llm.data import (
     LMDataModule,
     encode_documents,
     load_documents,
+    document_positions,
     pack,
     pretrained_tokenizer,
     sequences_in_batch,
@@ -81,6 +82,7 @@ __all__ = [
     "export",
     "lm_datamodule",
     "load_documents",
+    "document_positions",
     "pack",
     "parallelize",
     "pipeline_llm",
@@ -123,6 +125,7 @@ def lm_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
             data.test_fraction,
             cfg.seed,
             data.length_buckets,
+            packing=data.get("packing", False),
         )
     if data.length_buckets:
         raise ValueError(
@@ -132,11 +135,12 @@ def lm_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     train, val, test = split_documents(load_documents(data.source), data.val_fraction, data.test_fraction, cfg.seed)
     tokenizer = pretrained_tokenizer(pretrained) if pretrained else train_tokenizer(train, data.vocab_size)
     eos = tokenizer.eos_token_id
-    splits = {
-        name: pack(encode_documents(tokenizer, docs), eos, data.seq_len)
-        for name, docs in (("train", train), ("val", val), ("test", test))
-    }
-    return LMDataModule(tokenizer, splits, data.batch_size, cfg.seed)
+    encoded = {name: encode_documents(tokenizer, docs) for name, docs in (("train", train), ("val", val), ("test", test))}
+    splits = {name: pack(documents, eos, data.seq_len) for name, documents in encoded.items()}
+    positions = None
+    if data.get("packing", False):  # the same blocks, each document kept apart
+        positions = {name: document_positions(documents, data.seq_len) for name, documents in encoded.items()}
+    return LMDataModule(tokenizer, splits, data.batch_size, cfg.seed, positions)
 
 
 def build_model(cfg: DictConfig) -> CausalLM:
@@ -190,18 +194,27 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
     strategy = cfg.trainer.get("strategy", "auto")
     m = cfg.model
     tp, replicas, stages = m.tensor_parallel_size, m.replicate_size, m.pipeline_parallel_size
+    context = m.get("context_parallel_size", 1)
+    if context > 1 and m.compile:
+        raise ValueError(
+            f"model.context_parallel_size={context} with model.compile=true: the attention over the split sequence "
+            "runs in a Python mode around the step, which a compiled decoder layer (fullgraph) does not trace. "
+            "Use model.compile=false with context parallelism."
+        )
     if strategy in _MODEL_PARALLEL:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-        if not isinstance(devices, int) or (devices * nodes) % (tp * replicas * stages):
+        if not isinstance(devices, int) or (devices * nodes) % (tp * replicas * stages * context):
             raise ValueError(
                 f"trainer.strategy={strategy} needs trainer.devices (an integer; here {devices!r}) x "
                 f"num_nodes divisible by model.tensor_parallel_size={tp} x model.replicate_size={replicas}"
-                + (f" x model.pipeline_parallel_size={stages}." if stages > 1 else ".")
+                + (f" x model.pipeline_parallel_size={stages}" if stages > 1 else "")
+                + (f" x model.context_parallel_size={context}" if context > 1 else "")
+                + "."
             )
         data = data_parallel_ranks(cfg) // replicas  # FSDP2's ranks within a replica
-        if replicas == 1 and stages == 1:
+        if replicas == 1 and stages == 1 and context == 1:
             return {"strategy": ModelParallelStrategy(data_parallel_size=data, tensor_parallel_size=tp)}
         from lightning_trn import NeuronModelParallelStrategy
 
@@ -214,9 +227,11 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
                 pipeline_parallel_size=stages,
                 pipeline_schedule=m.pipeline_schedule,
                 pipeline_microbatches=m.pipeline_microbatches,
+                context_parallel_size=context,
             )
         }
-    for key, size in (("tensor_parallel_size", tp), ("replicate_size", replicas), ("pipeline_parallel_size", stages)):
+    sizes = {"tensor_parallel_size": tp, "replicate_size": replicas, "pipeline_parallel_size": stages}
+    for key, size in (sizes | {"context_parallel_size": context}).items():
         if size != 1:
             raise ValueError(f"model.{key}={size} needs trainer.strategy=model_parallel (here {strategy!r}).")
     if strategy == "neuron_zero1" and cfg.zero1_state_dict_type == "sharded":
@@ -238,6 +253,12 @@ def check_pipeline(cfg: DictConfig) -> None:
     folder's tied head under tensor parallel is refused once the folder is read, in `configure_model`)."""
     m = cfg.model
     refuse_stages_with(m.pipeline_parallel_size, lora=bool(m.lora.r))
+    if m.pipeline_parallel_size > 1 and cfg.data.get("packing", False):
+        raise ValueError(
+            f"data.packing=true with model.pipeline_parallel_size={m.pipeline_parallel_size}: the recipe's pipeline "
+            "stages take token ids alone, without the position ids that keep packed documents apart. Use "
+            "data.packing=false with stages, or FSDP2, tensor and context parallel without them."
+        )
 
 
 def data_parallel_ranks(cfg: DictConfig) -> int:
@@ -253,7 +274,8 @@ def data_parallel_ranks(cfg: DictConfig) -> int:
         )
     m = cfg.model
     if cfg.trainer.get("strategy", "auto") in _MODEL_PARALLEL:
-        return max(devices * nodes // (m.tensor_parallel_size * m.pipeline_parallel_size), 1)
+        shared = m.tensor_parallel_size * m.pipeline_parallel_size * m.get("context_parallel_size", 1)
+        return max(devices * nodes // shared, 1)
     return devices * nodes
 
 

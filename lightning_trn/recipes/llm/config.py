@@ -147,6 +147,12 @@ class LlmData:
         " compiles once per bucket; []: every row padded to seq_len",
         (lambda v: all(b > 0 for b in v) and list(v) == sorted(set(v)), "increasing positive lengths"),
     )
+    packing: bool = doc(
+        "documents (or fine-tuning rows) packed into blocks of seq_len and kept apart: position ids restarting at"
+        " each document and an attention mask causal within each one, a document's first token not predicted from"
+        " the one before; one shape per job, no padding but a block's tail; false: documents joined with EOS and"
+        " attending across (rows padded one per block)"
+    )
     val_fraction: float = doc("share of the documents (or rows) held out for validation", FRACTION)
     test_fraction: float = doc("share of the documents (or rows) held out for the test", FRACTION)
 
@@ -207,6 +213,12 @@ class LlmModel:
         "with pipeline_parallel_size > 1: microbatches each batch is split into (data.batch_size, derived from"
         " data.global_batch_size where set, a multiple of it); null: the number of stages",
         (lambda v: v is None or v > 0, "greater than 0 or null"),
+    )
+    context_parallel_size: int = doc(
+        "with trainer.strategy=model_parallel: ranks each sequence is split over (long context: attention's keys and"
+        " values gathered over them, activations divided by it), FSDP2 over data x context; data.seq_len a multiple"
+        " of 2 x this; not with pipeline stages nor compile; 1: none",
+        POSITIVE,
     )
     lr: float = doc("AdamW peak learning rate", POSITIVE)
     weight_decay: float = doc("AdamW weight decay of the matrices (none on norms and other vectors)", NON_NEGATIVE)

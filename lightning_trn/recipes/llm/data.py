@@ -83,6 +83,25 @@ def pack(documents: Sequence[Sequence[int]], eos_id: int, seq_len: int) -> torch
     return stream[: blocks * seq_len].view(blocks, seq_len)
 
 
+def document_positions(documents: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:
+    """The position ids of `pack`'s blocks with each document kept apart (`data.packing=true`): from 0 at each
+    document's first token (its EOS counts as its last) and again where a block starts inside a document, so the
+    blocks' attention (`document_mask`) and rotary positions are those of each document alone."""
+    lengths = torch.tensor([len(ids) + 1 for ids in documents], dtype=torch.long)
+    document = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    blocks = len(document) // seq_len
+    document = document[: blocks * seq_len].view(blocks, seq_len)
+    columns = torch.arange(seq_len).expand_as(document)
+    starts = torch.ones_like(document, dtype=torch.bool)
+    starts[:, 1:] = document[:, 1:] != document[:, :-1]
+    return columns - torch.where(starts, columns, 0).cummax(dim=1).values
+
+
+def packed_labels(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Labels of packed blocks: a document's first token is not predicted from the document before it."""
+    return input_ids.masked_fill(position_ids == 0, IGNORE_INDEX)
+
+
 def unigram_perplexity(train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vocab_size: int) -> float:
     """Perplexity of the training split's token frequencies (add-one smoothed) on the tokens the model predicts in
     `eval_blocks` (all but each block's first): the bar a language model must clear by using context."""
@@ -92,24 +111,30 @@ def unigram_perplexity(train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vo
 
 
 class _BlockDataset(Dataset):
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-        self.input_ids, self.labels = input_ids, labels
+    def __init__(self, columns: dict[str, torch.Tensor]) -> None:
+        self.columns = columns
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return len(self.columns["input_ids"])
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+        return {name: column[index] for name, column in self.columns.items()}
 
 
 class LMDataModule(pl.LightningDataModule):
     """Packed (blocks, seq_len) token splits; batches are dicts of `input_ids` and `labels` (the same ids: the model
-    shifts them). Training batches are shuffled with `seed`, the last partial one dropped; the evaluation splits are
+    shifts them); with `positions` (`document_positions`, `data.packing=true`) also `position_ids`, and a document's
+    first token is not labelled (`packed_labels`). Training batches are shuffled with `seed`, the last partial one dropped; the evaluation splits are
     padded to whole batches on every rank (`evaluation_multiple`) with rows labelled `IGNORE_INDEX`, so nothing is
     dropped or counted twice and every batch has one shape."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerFast, splits: dict[str, torch.Tensor], batch_size: int, seed: int
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        splits: dict[str, torch.Tensor],
+        batch_size: int,
+        seed: int,
+        positions: dict[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.tokenizer = tokenizer
@@ -117,6 +142,7 @@ class LMDataModule(pl.LightningDataModule):
         self.splits = splits
         self.batch_size = batch_size
         self.seed = seed
+        self.positions = positions
         for split, blocks in splits.items():
             if len(blocks) == 0 or (split == "train" and len(blocks) < batch_size):
                 raise ValueError(
@@ -130,18 +156,28 @@ class LMDataModule(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        blocks = self.splits["train"]
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(
-            _BlockDataset(blocks, blocks), batch_size=self.batch_size, shuffle=True, generator=generator, drop_last=True
+            _BlockDataset(self._columns("train")),
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=generator,
+            drop_last=True,
         )
 
-    def _eval_loader(self, split: str) -> DataLoader:
+    def _columns(self, split: str, pad: int = 0) -> dict[str, torch.Tensor]:
+        """A split's batch columns, with `pad` unlabelled rows appended."""
         blocks = self.splits[split]
-        pad = -len(blocks) % evaluation_multiple(self, self.batch_size)
         input_ids = torch.cat([blocks, torch.full((pad, blocks.shape[1]), self.tokenizer.pad_token_id)])
         labels = torch.cat([blocks, torch.full((pad, blocks.shape[1]), IGNORE_INDEX)])
-        return DataLoader(_BlockDataset(input_ids, labels), batch_size=self.batch_size)
+        if self.positions is None:
+            return {"input_ids": input_ids, "labels": labels}
+        position_ids = torch.cat([self.positions[split], torch.arange(blocks.shape[1]).expand(pad, -1)])
+        return {"input_ids": input_ids, "labels": packed_labels(labels, position_ids), "position_ids": position_ids}
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        pad = -len(self.splits[split]) % evaluation_multiple(self, self.batch_size)
+        return DataLoader(_BlockDataset(self._columns(split, pad)), batch_size=self.batch_size)
 
     @override
     def val_dataloader(self) -> DataLoader:

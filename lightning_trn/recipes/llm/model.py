@@ -18,6 +18,13 @@ from torchmetrics import Metric
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 from typing_extensions import override
 
+from lightning_trn.core.parallel.context_parallel import (
+    document_ids,
+    document_mask,
+    sequence_sums,
+    shift_labels,
+    token_mean,
+)
 from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, pipeline_split
 from lightning_trn.hooks.throughput import tensor_parallel_size
 from lightning_trn.recipes.llm.data import IGNORE_INDEX, SPECIAL_TOKENS, pretrained_tokenizer, wrap_tokenizer
@@ -74,15 +81,36 @@ def causal_mask(seq_len: int, attn_implementation: str, dtype: torch.dtype, devi
     return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
+def packed_mask(position_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The (batch, 1, seq_len, seq_len) mask of packed blocks (`data.packing=true`): causal within each document,
+    the documents read off the position ids (`document_mask`); booleans for SDPA, additive for eager attention.
+    Under context parallelism the attention replaces it by the whole sequence's (`ContextParallel`)."""
+    seq = torch.arange(position_ids.shape[1], device=position_ids.device)
+    keep = document_mask(document_ids(position_ids), seq, seq)
+    if attn_implementation != "eager":
+        return keep
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
 def causal_lm_logits(
-    net: LlamaForCausalLM, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None
+    net: LlamaForCausalLM,
+    input_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`net`'s next-token logits (batch, seq_len, vocab) of packed, causal blocks, from token ids or from hidden states
-    (`inputs_embeds`: what a later pipeline stage takes, `StageLM`)."""
+    """`net`'s next-token logits (batch, seq_len, vocab) of causal blocks, from token ids or from hidden states
+    (`inputs_embeds`: what a later pipeline stage takes, `StageLM`); with `position_ids` (packed documents, or a
+    context-parallel rank's part of each sequence), at those positions, the documents kept apart (`packed_mask`)."""
     given = input_ids if input_ids is not None else inputs_embeds
     assert given is not None
-    mask = causal_mask(given.shape[1], net.config._attn_implementation, net.dtype, given.device)
-    return net(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, use_cache=False).logits
+    implementation = net.config._attn_implementation
+    if position_ids is None:
+        mask = causal_mask(given.shape[1], implementation, net.dtype, given.device)
+    else:
+        mask = packed_mask(position_ids, implementation, net.dtype)
+    return net(
+        input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=position_ids, use_cache=False
+    ).logits
 
 
 class StageLM(torch.nn.Module):
@@ -281,9 +309,9 @@ class CausalLM(pl.LightningModule):
         self._init_steps: list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]] | None = None
 
     @override
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token logits (batch, seq_len, vocab) of packed, causal blocks."""
-        return causal_lm_logits(self.net, input_ids=input_ids)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (batch, seq_len, vocab) of causal blocks (`causal_lm_logits`)."""
+        return causal_lm_logits(self.net, input_ids=input_ids, position_ids=position_ids)
 
     @contextlib.contextmanager
     def _loss_parallel(self) -> Iterator[None]:
@@ -302,11 +330,11 @@ class CausalLM(pl.LightningModule):
         finally:
             self._in_loss_parallel = False
 
-    def _summed_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy of every predicted token (labels shifted by one, `IGNORE_INDEX` skipped). Under tensor
-        parallel the logits stay split over the vocabulary and the sum is computed under `loss_parallel`; it comes
-        back as a plain tensor (its backward is `backward`'s)."""
-        predicted, targets = logits[:, :-1], labels[:, 1:]
+    def _summed_cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of every predicted token (`targets`: the next tokens, `IGNORE_INDEX` skipped). Under
+        tensor parallel the logits stay split over the vocabulary and the sum is computed under `loss_parallel`; it
+        comes back as a plain tensor (its backward is `backward`'s)."""
+        predicted = logits
         # at least float32 (bfloat16 logits are upcast for the softmax); a float64 model keeps float64
         predicted = predicted.to(torch.promote_types(predicted.dtype, torch.float32))
         with self._loss_parallel():
@@ -318,10 +346,15 @@ class CausalLM(pl.LightningModule):
         return total
 
     @staticmethod
-    def _predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
-        """How many tokens of the batch the loss covers (labels shifted by one, `IGNORE_INDEX` skipped), on the
-        device."""
-        return (labels[:, 1:] != IGNORE_INDEX).sum()
+    def _targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each position's next token: the batch's `shift_labels` where given (a context-parallel split takes them on
+        the whole sequence, `ContextParallel.split`), else `labels` shifted here."""
+        return batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
+
+    @staticmethod
+    def _predicted_tokens(targets: torch.Tensor) -> torch.Tensor:
+        """How many tokens of the batch the loss covers (`IGNORE_INDEX` skipped), on the device."""
+        return (targets != IGNORE_INDEX).sum()
 
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The pipeline's loss of a microbatch, on the last stage: its summed cross-entropy over its predicted tokens
@@ -329,16 +362,20 @@ class CausalLM(pl.LightningModule):
         pipeline's mean over the microbatches is then the batch's token mean, as one device's `total / count`, however
         the predicted tokens fall between the microbatches (fine-tuning rows: prompt and padding are not predicted)."""
         assert self._pipeline is not None and self._batch_tokens is not None
-        return self._summed_cross_entropy(logits, labels) * self._pipeline.microbatches / self._batch_tokens
+        summed = self._summed_cross_entropy(logits, labels)
+        return summed * self._pipeline.microbatches / self._batch_tokens
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy of every predicted token (`_summed_cross_entropy`) and their count, both on the
-        device; with pipeline stages, from the forward-only schedule's loss (`_stage_loss`), on every rank."""
-        count = self._predicted_tokens(batch["labels"])
+        device; with pipeline stages, from the forward-only schedule's loss (`_stage_loss`), on every rank. Under
+        context parallelism, of this rank's part of the sequences (`lightning_trn.token_mean` joins them)."""
+        targets = self._targets(batch)
+        count = self._predicted_tokens(targets)
         if self._pipeline is not None:
             self._batch_tokens = count
-            return self._pipeline.eval(batch["input_ids"], target=batch["labels"]) * count, count
-        return self._summed_cross_entropy(self(batch["input_ids"]), batch["labels"]), count
+            return self._pipeline.eval(batch["input_ids"], target=targets) * count, count
+        logits = self(batch["input_ids"], batch.get("position_ids"))
+        return self._summed_cross_entropy(logits, targets), count
 
     @override
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -351,17 +388,17 @@ class CausalLM(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self._pipeline is not None:  # the schedule ran the backward too; the last stage's loss, on every rank
-            self._batch_tokens = self._predicted_tokens(batch["labels"])
+            targets = self._targets(batch)
+            self._batch_tokens = self._predicted_tokens(targets)
             with self._loss_parallel():  # around the schedule, which runs the loss's backward
-                loss = self._pipeline.step(batch["input_ids"], target=batch["labels"])
+                loss = self._pipeline.step(batch["input_ids"], target=targets)
         else:
-            total, count = self.loss_sum(batch)
-            loss = total / count  # training blocks have no padding rows
+            loss = token_mean(*self.loss_sum(batch))  # over the whole sequences under context parallelism
         self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         return loss
 
     def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
-        total, count = self.loss_sum(batch)
+        total, count = sequence_sums(*self.loss_sum(batch))
         mean, ppl = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_ppl")
         mean.update(total, count)
         ppl.update(total, count)

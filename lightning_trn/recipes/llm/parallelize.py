@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM
 
+from lightning_trn.core.parallel.parallel_dims import ParallelDims
 from lightning_trn.torch_compile import compile_blocks
 
 
@@ -22,10 +23,11 @@ def parallelize(
     """TorchTitan's `parallelize_llama` for the Hugging Face model, one visible step after another: tensor parallel
     over the mesh's `tensor_parallel` dimension, then activation checkpointing, then (`compiled`) `torch.compile` per
     decoder layer, then FSDP2 over `data_parallel` (TorchTitan's units: `apply_fsdp`), HSDP over `("replicate",
-    "data_parallel")` where the mesh has replicas (`NeuronModelParallelStrategy(replicate_size=...)`). Afterwards
+    "data_parallel")` where the mesh has replicas (`NeuronModelParallelStrategy(replicate_size=...)`), data x context
+    under context parallelism (`ParallelDims.fsdp_mesh`). Afterwards
     every parameter is a DTensor on one mesh, so AdamW takes its default `foreach` path. `param_dtype`: FSDP2's
     compute dtype (bf16 under bf16 precision; gradients are still reduced in fp32)."""
-    tp, dp = device_mesh["tensor_parallel"], device_mesh[data_parallel_dims(device_mesh)]
+    tp, dp = device_mesh["tensor_parallel"], ParallelDims.fsdp_mesh(device_mesh)
     if tp.size() > 1:
         apply_tp(net, tp)
     if activation_checkpointing:
@@ -51,15 +53,6 @@ def refuse_stages_with(stages: int, tied_tensor_parallel: bool = False, lora: bo
         "model.pipeline_parallel_size=1 for LoRA, or model.tensor_parallel_size=1 with stages for a tied folder "
         '(docs/sharding.md, "Conformance", lists what each layout runs).'
     )
-
-
-def data_parallel_dims(device_mesh: Any) -> tuple[str, ...]:
-    """The mesh dimensions FSDP2 spans: `data_parallel`, with `replicate` before it where the mesh has replicas
-    (a 2-D mesh makes `fully_shard` HSDP: parameters replicated over the first dimension, sharded over the second,
-    gradients reduce-scattered within a replica and all-reduced across replicas)."""
-    if "replicate" in (device_mesh.mesh_dim_names or ()):
-        return ("replicate", "data_parallel")
-    return ("data_parallel",)
 
 
 def apply_tp(net: LlamaForCausalLM, tp_mesh: Any) -> None:
@@ -160,7 +153,7 @@ def apply_fsdp_stage(stage: torch.nn.Module, device_mesh: Any, param_dtype: torc
     (TorchTitan shards each model part so); otherwise every microbatch's backward reduce-scatters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp = device_mesh[data_parallel_dims(device_mesh)]
+    dp = ParallelDims.fsdp_mesh(device_mesh)
     if dp.size() == 1:
         return
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
@@ -170,7 +163,7 @@ def apply_fsdp_stage(stage: torch.nn.Module, device_mesh: Any, param_dtype: torc
 def apply_fsdp(net: LlamaForCausalLM, dp_mesh: Any, param_dtype: torch.dtype | None = None) -> None:
     """TorchTitan's FSDP2 units: the embedding, each decoder layer, the final norm with the output projection, then
     the root; with `param_dtype`, TorchTitan's `MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`. `dp_mesh`:
-    the data-parallel dimension (FSDP2), or the (replicate, data-parallel) pair (HSDP, `data_parallel_dims`).
+    the data-parallel dimension (FSDP2), or the (replicate, data-parallel) pair (HSDP), or either with data x context flattened (`ParallelDims.fsdp_mesh`).
 
     The embedding is its own unit so that its gathered weight is freed after the forward (left in the root, it stays
     gathered from the forward to the end of the backward: 0.5 GiB per rank at 70 B); the norm and output projection

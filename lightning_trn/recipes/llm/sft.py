@@ -4,8 +4,12 @@ the pretrained tokenizer, the loss masked to the response (assistant) tokens.
 
 Static shapes without packing: one row per block of `seq_len` tokens, right-padded (and cut at `seq_len`). Under a
 causal mask a padding token sits after every real one, so it changes no real token's logits: the recipe's causal
-mask, built on the device, serves as it is, and the positions are the default `0..seq_len-1` of each row. Packing
-several rows per block would need position ids restarting per row and a block-diagonal mask per batch instead.
+mask, built on the device, serves as it is, and the positions are the default `0..seq_len-1` of each row.
+
+Packing (`data.packing=true`, `packed_blocks`): rows are laid one after another into blocks of `seq_len` (a row that
+does not fit starts the next block), with position ids restarting at each row, from which the recipe's mask keeps the
+rows apart (`document_mask`): each row's token losses are those it has alone, no compute is spent on padding but a
+block's tail, and every batch has one shape.
 
 Length buckets (`data.length_buckets`): a few fixed lengths instead of one, so short rows are not all padded to
 `seq_len` while a compiled model (`model.compile`) still sees a few shapes only, each compiled once (`bucket_batches`).
@@ -14,7 +18,7 @@ Length buckets (`data.length_buckets`): a few fixed lengths instead of one, so s
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,20 +129,30 @@ def bucket_batches(
 def _padded(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> dict[str, torch.Tensor]:
     """`batch` with unlabelled padding rows appended up to `rows`."""
     pad, length = rows - len(batch["input_ids"]), batch["input_ids"].shape[1]
-    return {
+    padded = {
         "input_ids": torch.cat([batch["input_ids"], torch.full((pad, length), pad_id)]),
         "labels": torch.cat([batch["labels"], torch.full((pad, length), IGNORE_INDEX)]),
     }
+    if "position_ids" in batch:  # packed rows (`packed_blocks`)
+        padded["position_ids"] = torch.cat([batch["position_ids"], torch.arange(length).expand(pad, -1)])
+    return padded
+
+
+def _cut_rows(
+    encoded: Sequence[tuple[list[int], list[int]]], seq_len: int
+) -> Iterator[tuple[list[int], list[int]]]:
+    """Each row's ids and labels cut at `seq_len`; rows left with no labelled token after the first (nothing to
+    predict once the labels are shifted) are dropped."""
+    for ids, row_labels in encoded:
+        if any(label != IGNORE_INDEX for label in row_labels[1:seq_len]):
+            yield ids[:seq_len], row_labels[:seq_len]
 
 
 def blocks(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """One (rows, seq_len) block per row: cut at `seq_len`, right-padded with `pad_id` (labels `IGNORE_INDEX`). Rows
     left with no labelled token after the first (nothing to predict once the labels are shifted) are dropped."""
     input_ids, labels = [], []
-    for ids, row_labels in encoded:
-        ids, row_labels = ids[:seq_len], row_labels[:seq_len]
-        if all(label == IGNORE_INDEX for label in row_labels[1:]):
-            continue
+    for ids, row_labels in _cut_rows(encoded, seq_len):
         pad = seq_len - len(ids)
         input_ids.append(ids + [pad_id] * pad)
         labels.append(row_labels + [IGNORE_INDEX] * pad)
@@ -146,6 +160,39 @@ def blocks(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id:
         "input_ids": torch.tensor(input_ids, dtype=torch.long).view(-1, seq_len),
         "labels": torch.tensor(labels, dtype=torch.long).view(-1, seq_len),
     }
+
+
+def packed_blocks(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """The rows (`_cut_rows`) laid one after another into (blocks, seq_len) rows in their order, a row that does not
+    fit the current block starting the next; the tail padded. `position_ids` restart at 0 at each row (and the
+    padding), and a row's first token is not labelled: it is never predicted when the row is alone either."""
+    input_ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    current: list[list[int]] = [[], [], []]
+    for ids, row_labels in _cut_rows(encoded, seq_len):
+        if len(current[0]) + len(ids) > seq_len:
+            _close_block(current, seq_len, pad_id, (input_ids, labels, positions))
+        current[0] += ids
+        current[1] += [IGNORE_INDEX, *row_labels[1:]]
+        current[2] += range(len(ids))
+    if current[0]:
+        _close_block(current, seq_len, pad_id, (input_ids, labels, positions))
+    return {
+        "input_ids": torch.tensor(input_ids, dtype=torch.long).view(-1, seq_len),
+        "labels": torch.tensor(labels, dtype=torch.long).view(-1, seq_len),
+        "position_ids": torch.tensor(positions, dtype=torch.long).view(-1, seq_len),
+    }
+
+
+def _close_block(current: list[list[int]], seq_len: int, pad_id: int, out: tuple[list, list, list]) -> None:
+    """Pad the block being filled to `seq_len` (unlabelled, positions from 0: a document of its own), move it to
+    `out` and start the next."""
+    pad = seq_len - len(current[0])
+    for column, values, filler in zip(out, current, ([pad_id] * pad, [IGNORE_INDEX] * pad, list(range(pad))), strict=True):
+        column.extend(values + filler)
+    for values in current:
+        values.clear()
 
 
 class _Rows(Dataset):
@@ -220,12 +267,8 @@ class SFTDataModule(pl.LightningDataModule):
             empty = {key: value[:0] for key, value in batches[0].items()}
             batches += [_padded(empty, self.batch_size, self.pad_id)] * (-len(batches) % evaluation_multiple(self, 1))
             return DataLoader(batches, batch_size=None)  # type: ignore[arg-type]  # a list is a map-style dataset
-        rows, seq_len = split["input_ids"].shape
-        pad = -rows % evaluation_multiple(self, self.batch_size)
-        padded = {
-            "input_ids": torch.cat([split["input_ids"], torch.full((pad, seq_len), self.pad_id)]),
-            "labels": torch.cat([split["labels"], torch.full((pad, seq_len), IGNORE_INDEX)]),
-        }
+        rows = len(split["input_ids"])
+        padded = _padded(split, rows - rows % -evaluation_multiple(self, self.batch_size), self.pad_id)
         return DataLoader(_Rows(padded), batch_size=self.batch_size)
 
     @override
@@ -252,13 +295,20 @@ def sft_datamodule(
     test_fraction: float,
     seed: int,
     length_buckets: Sequence[int] = (),
+    packing: bool = False,
 ) -> SFTDataModule:
-    """The rows of `source` split with `seed` (train, val, test), each encoded (`encode_row`) into blocks; batched
-    by `length_buckets` if any (`SFTDataModule`)."""
+    """The rows of `source` split with `seed` (train, val, test), each encoded (`encode_row`) into blocks, one row
+    each or, with `packing`, several (`packed_blocks`); batched by `length_buckets` if any (`SFTDataModule`)."""
+    if packing and length_buckets:
+        raise ValueError(
+            f"data.packing=true with data.length_buckets={list(length_buckets)}: packing fills every block to "
+            "data.seq_len (one shape), which is what buckets approximate; use one of the two."
+        )
+    layout = packed_blocks if packing else blocks
     rows = load_rows(source)
     parts = shuffled_split({"i": torch.arange(len(rows))}, (val_fraction, test_fraction), seed)
     splits = {
-        name: blocks([encode_row(tokenizer, rows[i]) for i in part["i"].tolist()], seq_len, pad_id(tokenizer))
+        name: layout([encode_row(tokenizer, rows[i]) for i in part["i"].tolist()], seq_len, pad_id(tokenizer))
         for name, part in zip(("train", "val", "test"), parts, strict=True)
     }
     return SFTDataModule(tokenizer, splits, batch_size, seed, length_buckets)
