@@ -751,6 +751,7 @@ def estimate(
             collectives,
         )
     notes = [XLA_NOTE] if platform in XLA_PLATFORMS else []
+    notes += _context_parallel_note(trainer_kwargs.get("strategy"), batch, memories[0])
     return Estimate(
         world_size,
         platform,
@@ -763,6 +764,25 @@ def estimate(
         pipeline=pipeline,
         work=work,
     )
+
+
+def _context_parallel_note(strategy: Any, batch: Any, memory: Any) -> list[str]:
+    """Under context parallelism, what it divides in the rank's memory (the activations of its part of each
+    sequence) and what it does not (the attention mask, local x whole sequence, and the gathered keys and values)."""
+    dims = getattr(strategy, "parallel_dims", None)
+    size = getattr(dims, "context_parallel", 1)
+    sequences = batch.get("input_ids") if isinstance(batch, dict) else None
+    if size == 1 or sequences is None:
+        return []
+    rows, length = sequences.shape[:2]
+    mask = rows * (length // size) * length  # booleans
+    return [
+        f"context parallel {size}: each rank holds {length // size:,} of each sequence's {length:,} tokens, so its "
+        f"activations ({memory.activations / 2**30:.2f} GiB at the peak) are 1/{size} of a whole sequence's; not "
+        f"divided: the attention mask of the rank's queries against the whole sequence ({rows} x {length // size:,} "
+        f"x {length:,} booleans, {mask / 2**30:.2f} GiB) and the whole sequence's keys and values of the layer "
+        "being computed (gathered, then freed)"
+    ]
 
 
 def _pipelining(strategy: Any) -> Any:

@@ -90,7 +90,9 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[Record(args.out)],
     )
-    trainer.fit(model, train_dataloaders=DataLoader(_BlockDataset({"input_ids": tokens, "labels": tokens}), batch_size=4))
+    trainer.fit(
+        model, train_dataloaders=DataLoader(_BlockDataset({"input_ids": tokens, "labels": tokens}), batch_size=4)
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 #: the mesh dimension, between data parallel and tensor parallel (TorchTitan's order)
 CONTEXT = "context_parallel"
@@ -92,26 +91,44 @@ class SequenceLayout:
     def gather(self, tensor: Tensor) -> Tensor:
         """The whole sequence's keys or values (dim 2, in `gathered` order) from every rank's part; its backward
         reduce-scatters the gradients back."""
-        from torch.distributed._functional_collectives import all_gather_single_autograd
+        from torch.distributed import _functional_collectives as funcol
 
-        return all_gather_single_autograd(tensor.contiguous(), gather_dim=2, group=self.group)
+        # torch 2.13's name (the native stack's); the XLA stack's torch 2.9, which type-checks this, lacks it
+        gather = funcol.all_gather_single_autograd  # type: ignore[attr-defined,unused-ignore]  # see above
+        return gather(tensor.contiguous(), gather_dim=2, group=self.group)
 
 
-class _SplitAttention(TorchFunctionMode):
-    """Serves `F.scaled_dot_product_attention` from a split sequence (`SequenceLayout`): keys and values gathered,
-    the module's own mask or causal flag replaced by the block's causal document mask."""
+#: torch's own SDPA, which `_SplitAttention` stands in for while a split step runs
+_SDPA = F.scaled_dot_product_attention
+
+
+class _SplitAttention:
+    """`torch.nn.functional.scaled_dot_product_attention` served from a split sequence (`SequenceLayout`) while
+    entered: keys and values gathered, the module's own mask or causal flag replaced by the block's causal document
+    mask. It replaces the function in `torch.nn.functional` (as torch's own `context_parallel` does by default)
+    rather than entering a TorchFunctionMode, which is thread-local: the recomputation of checkpointed layers runs
+    on the autograd engine's device thread, where a mode entered by the step is not active."""
 
     def __init__(self, layout: SequenceLayout) -> None:
-        super().__init__()
         self.layout = layout
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        query, key, value, *rest = args
-        names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        options = {**dict(zip(names, rest, strict=False)), **kwargs}
+    def __enter__(self) -> None:
+        F.scaled_dot_product_attention = self  # a callable of the same signature
+
+    def __exit__(self, *exc: object) -> None:
+        F.scaled_dot_product_attention = _SDPA
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
         layout = self.layout
         if query.shape[-2] != layout.local.numel() or key.shape[-2] != layout.local.numel():
             raise ValueError(
@@ -120,11 +137,10 @@ class _SplitAttention(TorchFunctionMode):
                 "parallelism a module's attention must be self-attention over the batch's sequence (dim 1 of its "
                 "tensors), through `F.scaled_dot_product_attention`."
             )
-        masked = options.pop("attn_mask", None) is not None
-        causal = bool(options.pop("is_causal", False)) or masked  # a module's own mask is its causal mask
         layout.attention_calls += 1
-        mask = layout.mask(causal).to(query.device)
-        return func(query, layout.gather(key), layout.gather(value), attn_mask=mask, **options)
+        mask = layout.mask(causal=is_causal or attn_mask is not None)  # a module's own mask is its causal mask
+        keys, values = layout.gather(key), layout.gather(value)
+        return _SDPA(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
 
 
 def current() -> SequenceLayout | None:
@@ -170,6 +186,8 @@ class ContextParallel:
         self.mesh = mesh
         self.size = 1 if mesh is None else mesh.size()
         self.rank = 0 if mesh is None else mesh.get_local_rank()
+        #: the last training step's layout, for the recomputation of checkpointed layers in its backward
+        self._layout: SequenceLayout | None = None
 
     @classmethod
     def of(cls, mesh: Any) -> ContextParallel:
@@ -209,7 +227,10 @@ class ContextParallel:
         local = head_tail_index(length, self.size, self.rank, device)
         gathered = torch.cat([head_tail_index(length, self.size, rank, device) for rank in range(self.size)])
         layout = SequenceLayout(
-            group=self.mesh.get_group(), size=self.size, local=local, gathered=gathered,
+            group=self.mesh.get_group(),
+            size=self.size,
+            local=local,
+            gathered=gathered,
             documents=document_ids(full["position_ids"]),
         )
         split = {
@@ -219,6 +240,16 @@ class ContextParallel:
             for name, value in full.items()
         }
         return split, layout
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Around the backward of the last `step`: activation checkpointing recomputes attention there, which must
+        see the split sequence as the forward did (the same layout and mask)."""
+        if self._layout is None:
+            yield
+            return
+        with _SplitAttention(self._layout):
+            yield
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[Any]:
@@ -233,6 +264,7 @@ class ContextParallel:
             yield batch
             return
         local, layout = self.split(batch)
+        self._layout = layout
         token = _ACTIVE.set(layout)
         try:
             with _SplitAttention(layout):

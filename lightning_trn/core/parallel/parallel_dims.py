@@ -11,6 +11,7 @@ together (`fsdp_mesh`), as TorchTitan's "dp_shard_cp".
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -116,8 +117,13 @@ class ParallelDims:
         context rank computes gradients of its part of the sequences, which FSDP2's reduce-scatter sums), with
         "replicate" before it where there are HSDP replicas (a 2-D mesh makes `fully_shard` HSDP)."""
         names = mesh.mesh_dim_names or ()
-        shard = DATA_CONTEXT if "context_parallel" in names else "data_parallel"
-        return mesh["replicate", shard] if "replicate" in names else mesh[shard]
+        if "context_parallel" not in names:
+            return mesh["replicate", "data_parallel"] if "replicate" in names else mesh["data_parallel"]
+        with warnings.catch_warnings():
+            # torch 2.13 still slices a flattened dimension from the root mesh (TorchTitan's `dp_shard_cp` way) and
+            # warns that a later version will not; its replacement needs the flattened mesh kept beside the root
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+            return mesh["replicate", DATA_CONTEXT] if "replicate" in names else mesh[DATA_CONTEXT]
 
     @staticmethod
     def sampler_kwargs(mesh: Any) -> dict[str, int]:

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_trn.core.checkpoint.checkpointer import CheckpointLayout
 from lightning_trn.core.checkpoint.distributed_checkpoint import LIGHTNING_META_FILE
+from lightning_trn.core.parallel.context_parallel import ContextParallel
 from lightning_trn.core.parallel.dtensor_random import refuse_local_dropout
 from lightning_trn.core.parallel.model_parallel import (
     broadcast_replicated,
@@ -36,7 +37,6 @@ from lightning_trn.core.parallel.model_parallel import (
     materialize,
     setup_outer_mesh,
 )
-from lightning_trn.core.parallel.context_parallel import ContextParallel
 from lightning_trn.core.parallel.parallel_dims import ParallelDims
 from lightning_trn.core.parallel.pipeline import LossFn, Pipeline, Pipelining
 from lightning_trn.core.parallel.process_group import ProcessGroup

@@ -230,10 +230,12 @@ class NeuronModelParallelStrategy(NeuronStrategyBase, ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's backward, except for a batch whose pipeline step ran its backward already: then only the
-        hooks around it run."""
+        """Lightning's backward (under context parallelism with the step's split attention, which recomputed
+        layers need), except for a batch whose pipeline step ran its backward already: then only the hooks around
+        it run."""
         if not self._pipelining.take_backward():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._context_parallel.backward():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
         assert self.lightning_module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)

@@ -23,9 +23,9 @@ from lightning_trn.recipes.llm.data import (
     IGNORE_INDEX,
     SPECIAL_TOKENS,
     LMDataModule,
+    document_positions,
     encode_documents,
     load_documents,
-    document_positions,
     pack,
     pretrained_tokenizer,
     sequences_in_batch,
@@ -135,7 +135,9 @@ def lm_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     train, val, test = split_documents(load_documents(data.source), data.val_fraction, data.test_fraction, cfg.seed)
     tokenizer = pretrained_tokenizer(pretrained) if pretrained else train_tokenizer(train, data.vocab_size)
     eos = tokenizer.eos_token_id
-    encoded = {name: encode_documents(tokenizer, docs) for name, docs in (("train", train), ("val", val), ("test", test))}
+    encoded = {
+        name: encode_documents(tokenizer, docs) for name, docs in (("train", train), ("val", val), ("test", test))
+    }
     splits = {name: pack(documents, eos, data.seq_len) for name, documents in encoded.items()}
     positions = None
     if data.get("packing", False):  # the same blocks, each document kept apart

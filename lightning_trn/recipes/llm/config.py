@@ -64,6 +64,35 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "model.lr=3.0e-4",
         "model.warmup_steps=200",
     ),
+    # trn2-8b's model at 32,768 tokens per sequence (long context) on one trn2.48xlarge: each sequence split over 4
+    # context ranks (`model.context_parallel_size`), tensor parallel 2 inside, FSDP2 over data 8 x context 4, every
+    # decoder layer recomputed (6.48 GiB needed of 24; without, 55 GiB); documents packed and kept apart
+    # (`data.packing`). The fastest of the layouts docs/recipes.md tabulates by the estimator's step-time model.
+    "trn2-8b-32k": (
+        "trainer.devices=64",
+        "trainer.strategy=model_parallel",
+        "model.tensor_parallel_size=2",
+        "model.context_parallel_size=4",
+        "trainer.precision=bf16-mixed",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1.0",
+        "trainer.limit_val_batches=1.0",
+        "trainer.accumulate_grad_batches=1",
+        "trainer.log_every_n_steps=10",
+        "data.vocab_size=32000",
+        "data.seq_len=32768",
+        "data.packing=true",
+        "data.global_batch_size=8",
+        "model.hidden_size=4096",
+        "model.intermediate_size=14336",
+        "model.num_layers=32",
+        "model.num_heads=32",
+        "model.num_kv_heads=8",
+        "model.rope_theta=500000.0",
+        "model.activation_checkpointing=true",
+        "model.lr=3.0e-4",
+        "model.warmup_steps=200",
+    ),
     # ~70.6 B (Llama-3-70B's shape and vocabulary) on 4 trn2.48xlarge: 256 logical NeuronCores of 24 GB, native
     # backend, FSDP2 over all 64 x tensor parallel over 4 (one chip) + activation checkpointing: 11.53 GiB needed per
     # core. Not HSDP across the nodes (`model.replicate_size=4`, re-planned with the estimator, docs/recipes.md): it

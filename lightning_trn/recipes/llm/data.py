@@ -124,9 +124,9 @@ class _BlockDataset(Dataset):
 class LMDataModule(pl.LightningDataModule):
     """Packed (blocks, seq_len) token splits; batches are dicts of `input_ids` and `labels` (the same ids: the model
     shifts them); with `positions` (`document_positions`, `data.packing=true`) also `position_ids`, and a document's
-    first token is not labelled (`packed_labels`). Training batches are shuffled with `seed`, the last partial one dropped; the evaluation splits are
-    padded to whole batches on every rank (`evaluation_multiple`) with rows labelled `IGNORE_INDEX`, so nothing is
-    dropped or counted twice and every batch has one shape."""
+    first token is not labelled (`packed_labels`). Training batches are shuffled with `seed`, the last partial one
+    dropped; the evaluation splits are padded to whole batches on every rank (`evaluation_multiple`) with rows
+    labelled `IGNORE_INDEX`, so nothing is dropped or counted twice and every batch has one shape."""
 
     def __init__(
         self,

@@ -109,7 +109,11 @@ def causal_lm_logits(
     else:
         mask = packed_mask(position_ids, implementation, net.dtype)
     return net(
-        input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids,
+        inputs_embeds=inputs_embeds,
+        attention_mask=mask,
+        position_ids=position_ids,
+        use_cache=False,
     ).logits
 
 

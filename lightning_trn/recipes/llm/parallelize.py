@@ -163,7 +163,8 @@ def apply_fsdp_stage(stage: torch.nn.Module, device_mesh: Any, param_dtype: torc
 def apply_fsdp(net: LlamaForCausalLM, dp_mesh: Any, param_dtype: torch.dtype | None = None) -> None:
     """TorchTitan's FSDP2 units: the embedding, each decoder layer, the final norm with the output projection, then
     the root; with `param_dtype`, TorchTitan's `MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`. `dp_mesh`:
-    the data-parallel dimension (FSDP2), or the (replicate, data-parallel) pair (HSDP), or either with data x context flattened (`ParallelDims.fsdp_mesh`).
+    the data-parallel dimension (FSDP2), or the (replicate, data-parallel) pair (HSDP), either with data x context
+    flattened under context parallelism (`ParallelDims.fsdp_mesh`).
 
     The embedding is its own unit so that its gathered weight is freed after the forward (left in the root, it stays
     gathered from the forward to the end of the backward: 0.5 GiB per rank at 70 B); the norm and output projection

@@ -138,9 +138,7 @@ def _padded(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> dict[str,
     return padded
 
 
-def _cut_rows(
-    encoded: Sequence[tuple[list[int], list[int]]], seq_len: int
-) -> Iterator[tuple[list[int], list[int]]]:
+def _cut_rows(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int) -> Iterator[tuple[list[int], list[int]]]:
     """Each row's ids and labels cut at `seq_len`; rows left with no labelled token after the first (nothing to
     predict once the labels are shifted) are dropped."""
     for ids, row_labels in encoded:
@@ -189,7 +187,9 @@ def _close_block(current: list[list[int]], seq_len: int, pad_id: int, out: tuple
     """Pad the block being filled to `seq_len` (unlabelled, positions from 0: a document of its own), move it to
     `out` and start the next."""
     pad = seq_len - len(current[0])
-    for column, values, filler in zip(out, current, ([pad_id] * pad, [IGNORE_INDEX] * pad, list(range(pad))), strict=True):
+    for column, values, filler in zip(
+        out, current, ([pad_id] * pad, [IGNORE_INDEX] * pad, list(range(pad))), strict=True
+    ):
         column.extend(values + filler)
     for values in current:
         values.clear()
