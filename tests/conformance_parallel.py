@@ -104,7 +104,6 @@ CORE: tuple[Cell, ...] = (
     Cell("user", "ddp", "last_batch"),
     Cell("llama_packed", "cp_fsdp2", "resume"),  # packed documents, context parallel x FSDP2, stopped and resumed
     Cell("qwen3", "cp_tp", "val_in_window"),  # context x tensor parallel, Qwen3's per-head norms, validation
-    Cell("nanogpt_tied", "cp", "accumulate"),  # refused: a module sharded over data alone under context parallel
 )
 
 #: the cells that must be refused (every other cell must equal one device): the recipe refuses a tied head under

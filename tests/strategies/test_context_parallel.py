@@ -219,3 +219,23 @@ def test_recipe_with_eager_attention_is_refused_before_its_first_update(tmp_path
     assert proc.returncode != 0
     assert "called no `torch.nn.functional.scaled_dot_product_attention`" in stderr
     assert "Nothing was updated" in stderr and "attn_implementation='sdpa'" in stderr
+
+
+def test_context_mesh_refuses_parameters_not_sharded_over_data_and_context() -> None:
+    """Each context rank computes the gradients of its part of the sequences: a module sharded over
+    `device_mesh["data_parallel"]` alone (the 2-D habit), or left whole, would never sum them over the context
+    ranks. Refused at setup with the mesh to use; FSDP2 over `fsdp_mesh` passes."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_trn.core.parallel.model_parallel import check_replicated_sharding
+    from tests.standin.fake_group import fake_process_group
+
+    with fake_process_group(4):
+        sizes = ParallelDims(data_parallel=2, tensor_parallel=1, context_parallel=2).check("S", 1, 4)
+        mesh = ParallelDims.build_mesh(sizes, "cpu")
+        assert mesh["data_context_parallel"].size() == 4
+        for wrong in (fully_shard(nn.Linear(4, 4), mesh=mesh["data_parallel"]), nn.Linear(4, 4)):
+            with pytest.raises(ValueError, match=r"bias, weight are not sharded over data x context"):
+                check_replicated_sharding(wrong, mesh)
+        check_replicated_sharding(fully_shard(nn.Linear(4, 4), mesh=ParallelDims.fsdp_mesh(mesh)), mesh)
