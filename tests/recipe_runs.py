@@ -123,7 +123,7 @@ def kill_after_first_checkpoint(recipe: str, out: Path, *overrides: str, env: di
         proc.wait()
     if proc.returncode != -signal.SIGKILL:
         pytest.fail(f"the run ended before the kill (exit {proc.returncode}): nothing was tested")
-    stopped = torch.load(ckpt, weights_only=True)
+    stopped = NeuronCheckpointIO().load_checkpoint(ckpt)  # a file, or a sharded strategy's directory
     assert stopped["epoch"] == 0 and 0 < stopped["global_step"] < RESUMABLE_STEPS, (
         "not mid-epoch",
         stopped["global_step"],

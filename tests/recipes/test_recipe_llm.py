@@ -103,7 +103,10 @@ def test_export_loads_in_plain_transformers_without_torch_xla_and_generates(defa
         ("data.vocab_size=100", "Config key data.vocab_size=100: expected a value of at least 259"),
         ("model.num_kv_heads=1.5", "Config key model.num_kv_heads=1.5: expected an integer (default 2)."),
         ("model.activation_checkpointing=maybe", "Config key model.activation_checkpointing='maybe': expected true or"),
-        ("preset=trn9-1t", "Config key preset='trn9-1t': expected one of none, trn1-1b, trn2-8b, trn2-8b-32k, trn2-70b."),
+        (
+            "preset=trn9-1t",
+            "Config key preset='trn9-1t': expected one of none, trn1-1b, trn2-8b, trn2-8b-32k, trn2-70b.",
+        ),
     ],
 )
 def test_a_bad_override_is_one_line_naming_key_value_and_expectation(override, expected):

@@ -5,6 +5,7 @@ device is the conformance sweep's (its `cp*` cells)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from lightning_trn.core.parallel.context_parallel import (
     document_mask,
     head_tail_index,
     shift_labels,
+    token_mean,
 )
 from lightning_trn.core.parallel.parallel_dims import ParallelDims
 
@@ -203,22 +205,24 @@ def test_fabric_loop_with_context_parallel_equals_one_device(tmp_path: Path) -> 
     assert_losses_match(split["losses"], one["losses"], losses_error(one["losses"], exact["losses"]))
 
 
-@pytest.mark.slow
-def test_recipe_with_eager_attention_is_refused_before_its_first_update(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_a_forward_without_sdpa_is_refused_before_its_first_update(attn_implementation: str) -> None:
     """A forward whose attention is not SDPA (Hugging Face's eager attention) would train on split sequences that no
-    attention joins: refused after the first forward, before any update, with what to do."""
-    from tests.recipe_runs import RUN_TIMEOUT_S, TINY_LLM, start
+    attention joins: refused when the step's forward ends, before its backward, with what to do; SDPA is served.
+    Rank 0 of 2 over a fake process group (the values of its collectives are the conformance sweep's)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
-    job = (*TINY_LLM, "trainer.strategy=model_parallel", "trainer.devices=2", "model.context_parallel_size=2")
-    proc = start("llm", tmp_path / "eager", *job, "model.attn_implementation=eager", env=env)
-    try:
-        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        proc.kill()
-    assert proc.returncode != 0
-    assert "called no `torch.nn.functional.scaled_dot_product_attention`" in stderr
-    assert "Nothing was updated" in stderr and "attn_implementation='sdpa'" in stderr
+    from lightning_trn.recipes.llm.model import CausalLM
+    from tests.standin.fake_group import fake_process_group
+
+    module = CausalLM(vocab_size=64, hidden_size=32, num_layers=1, attn_implementation=attn_implementation)
+    tokens = torch.randint(0, 64, (2, 8))
+    with fake_process_group(2), contextlib.ExitStack() as stack:
+        split = ContextParallel.of(init_device_mesh("cpu", (2,), mesh_dim_names=("context_parallel",)))
+        if attn_implementation == "eager":
+            stack.enter_context(pytest.raises(ValueError, match=r"called no `torch.nn.functional.scaled_dot_pro"))
+        with split.step({"input_ids": tokens, "labels": tokens}) as local:
+            token_mean(*module.loss_sum(local))
 
 
 def test_context_mesh_refuses_parameters_not_sharded_over_data_and_context() -> None:
@@ -239,3 +243,25 @@ def test_context_mesh_refuses_parameters_not_sharded_over_data_and_context() -> 
             with pytest.raises(ValueError, match=r"bias, weight are not sharded over data x context"):
                 check_replicated_sharding(wrong, mesh)
         check_replicated_sharding(fully_shard(nn.Linear(4, 4), mesh=ParallelDims.fsdp_mesh(mesh)), mesh)
+
+
+@pytest.mark.slow
+def test_packed_context_parallel_job_killed_mid_epoch_resumes_to_the_uninterrupted_end(tmp_path: Path) -> None:
+    """`model.context_parallel_size=2 data.packing=true` on 2 stand-in ranks, SIGKILLed after its first mid-epoch
+    checkpoint and restarted from it, ends bit for bit where the uninterrupted job ends (weights, AdamW state,
+    schedule, logged metrics)."""
+    from tests.recipe_runs import RESUMABLE, TINY_LLM, assert_ends_identically, kill_after_first_checkpoint, run
+
+    env = {**os.environ, "LIGHTNING_TRN_STANDIN": "1", "LIGHTNING_TRN_STANDIN_DEVICES": "2"}
+    job = (
+        *TINY_LLM,
+        *RESUMABLE,
+        "trainer.strategy=model_parallel",
+        "trainer.devices=2",
+        "model.context_parallel_size=2",
+        "data.packing=true",
+    )
+    expected = run("llm", tmp_path / "a", *job, env=env)
+    checkpoint = kill_after_first_checkpoint("llm", tmp_path / "b", *job, env=env)
+    resumed = run("llm", tmp_path / "b", *job, f"ckpt_path={checkpoint}", env=env)
+    assert_ends_identically(resumed, expected)

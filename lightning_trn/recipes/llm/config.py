@@ -8,6 +8,30 @@ from dataclasses import dataclass
 from lightning_trn.core.parallel.pipeline import SCHEDULES
 from lightning_trn.recipes.common import FRACTION, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, RecipeConfig, doc
 
+#: trn2-8b's overrides (`PRESETS`), which its long-context variant starts from
+_TRN2_8B: tuple[str, ...] = (
+    "trainer.devices=64",
+    "trainer.strategy=model_parallel",
+    "model.tensor_parallel_size=2",
+    "trainer.precision=bf16-mixed",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=1.0",
+    "trainer.limit_val_batches=1.0",
+    "trainer.accumulate_grad_batches=1",
+    "trainer.log_every_n_steps=10",
+    "data.vocab_size=32000",
+    "data.seq_len=4096",
+    "data.global_batch_size=32",
+    "model.hidden_size=4096",
+    "model.intermediate_size=14336",
+    "model.num_layers=32",
+    "model.num_heads=32",
+    "model.num_kv_heads=8",
+    "model.activation_checkpointing=false",
+    "model.lr=3.0e-4",
+    "model.warmup_steps=200",
+)
+
 #: `preset=NAME`: overrides applied before the command line's, sized for real hardware and checked with
 #: `python -m lightning_trn.estimate llm preset=NAME` (docs/recipes.md has each one's table). Not run on Trainium; the
 #: tokenizer still trains on `data.source`.
@@ -42,56 +66,19 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # checkpointing: the fastest layout that fits by `python -m lightning_trn.estimate ... --plan`'s step-time model
     # (docs/recipes.md: 6,430 predicted tokens/s per chip, 7 % over tensor parallel 4; 18.76 GiB needed of 24), so
     # 32 sequences per step (its 32 data-parallel ranks).
-    "trn2-8b": (
-        "trainer.devices=64",
-        "trainer.strategy=model_parallel",
-        "model.tensor_parallel_size=2",
-        "trainer.precision=bf16-mixed",
-        "trainer.max_epochs=1",
-        "trainer.limit_train_batches=1.0",
-        "trainer.limit_val_batches=1.0",
-        "trainer.accumulate_grad_batches=1",
-        "trainer.log_every_n_steps=10",
-        "data.vocab_size=32000",
-        "data.seq_len=4096",
-        "data.global_batch_size=32",
-        "model.hidden_size=4096",
-        "model.intermediate_size=14336",
-        "model.num_layers=32",
-        "model.num_heads=32",
-        "model.num_kv_heads=8",
-        "model.activation_checkpointing=false",
-        "model.lr=3.0e-4",
-        "model.warmup_steps=200",
-    ),
+    "trn2-8b": _TRN2_8B,
     # trn2-8b's model at 32,768 tokens per sequence (long context) on one trn2.48xlarge: each sequence split over 4
     # context ranks (`model.context_parallel_size`), tensor parallel 2 inside, FSDP2 over data 8 x context 4, every
     # decoder layer recomputed (6.48 GiB needed of 24; without, 55 GiB); documents packed and kept apart
     # (`data.packing`). The fastest of the layouts docs/recipes.md tabulates by the estimator's step-time model.
     "trn2-8b-32k": (
-        "trainer.devices=64",
-        "trainer.strategy=model_parallel",
-        "model.tensor_parallel_size=2",
+        *_TRN2_8B,  # later overrides win
         "model.context_parallel_size=4",
-        "trainer.precision=bf16-mixed",
-        "trainer.max_epochs=1",
-        "trainer.limit_train_batches=1.0",
-        "trainer.limit_val_batches=1.0",
-        "trainer.accumulate_grad_batches=1",
-        "trainer.log_every_n_steps=10",
-        "data.vocab_size=32000",
         "data.seq_len=32768",
         "data.packing=true",
         "data.global_batch_size=8",
-        "model.hidden_size=4096",
-        "model.intermediate_size=14336",
-        "model.num_layers=32",
-        "model.num_heads=32",
-        "model.num_kv_heads=8",
         "model.rope_theta=500000.0",
         "model.activation_checkpointing=true",
-        "model.lr=3.0e-4",
-        "model.warmup_steps=200",
     ),
     # ~70.6 B (Llama-3-70B's shape and vocabulary) on 4 trn2.48xlarge: 256 logical NeuronCores of 24 GB, native
     # backend, FSDP2 over all 64 x tensor parallel over 4 (one chip) + activation checkpointing: 11.53 GiB needed per
