@@ -102,8 +102,9 @@ CORE: tuple[Cell, ...] = (
     Cell("mistral", "fsdp2", "predict"),
     Cell("qwen2_tied", "hsdp", "val_in_window"),
     Cell("user", "ddp", "last_batch"),
-    Cell("llama_packed", "cp_fsdp2", "resume"),  # packed documents, context parallel x FSDP2, stopped and resumed
-    Cell("qwen3", "cp_tp", "val_in_window"),  # context x tensor parallel, Qwen3's per-head norms, validation
+    # context x tensor parallel in one job: packed documents stopped and resumed; Qwen3's per-head norms, validation
+    Cell("llama_packed", "cp_tp", "resume"),
+    Cell("qwen3", "cp_tp", "val_in_window"),
 )
 
 #: the cells that must be refused (every other cell must equal one device): the recipe refuses a tied head under
