@@ -265,3 +265,24 @@ def test_packed_context_parallel_job_killed_mid_epoch_resumes_to_the_uninterrupt
     checkpoint = kill_after_first_checkpoint("llm", tmp_path / "b", *job, env=env)
     resumed = run("llm", tmp_path / "b", *job, f"ckpt_path={checkpoint}", env=env)
     assert_ends_identically(resumed, expected)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("data.seq_len=66",), "model.context_parallel_size=2 cuts each sequence into 4 equal chunks"),
+        (("model.compile=true",), "model.context_parallel_size=2 with model.compile=true"),
+        (("trainer.strategy=fsdp",), "model.context_parallel_size=2 needs trainer.strategy=model_parallel"),
+    ],
+)
+def test_the_recipe_refuses_what_context_parallelism_does_not_run_before_launching(
+    overrides: tuple[str, ...], expected: str
+) -> None:
+    """Refused when the recipe builds its strategy, before any rank starts (a trial met the length only at the
+    sanity check's first batch, on every rank). With pipeline stages the strategy refuses at `Trainer(...)`
+    (`ParallelDims.check`, above)."""
+    from lightning_trn.recipes import cli, llm
+
+    job = ["trainer.strategy=model_parallel", "trainer.devices=2", "model.context_parallel_size=2"]
+    with pytest.raises(ValueError, match=expected):
+        llm.trainer_args(cli.load_config(llm.RECIPE, [*job, *overrides]))

@@ -215,8 +215,8 @@ class ContextParallel:
             raise ValueError(
                 f"Context parallel over {self.size} ranks cuts each sequence into {2 * self.size} equal chunks "
                 f"(head-tail load balancing for causal masks), and the batch's sequences have {length} tokens. Use "
-                f"a sequence length divisible by {2 * self.size} (pad or pack to it: data.packing=true in the LLM "
-                "recipe)."
+                f"a sequence length divisible by {2 * self.size}: pad each batch's sequences to it, or pack documents "
+                "into blocks of such a length."
             )
         full = dict(batch)
         device = reference.device

@@ -203,6 +203,12 @@ def trainer_args(cfg: DictConfig) -> dict[str, Any]:
             "runs in a Python mode around the step, which a compiled decoder layer (fullgraph) does not trace. "
             "Use model.compile=false with context parallelism."
         )
+    if context > 1 and cfg.data.seq_len % (2 * context):
+        raise ValueError(
+            f"model.context_parallel_size={context} cuts each sequence into {2 * context} equal chunks (head-tail "
+            f"load balancing), and data.seq_len={cfg.data.seq_len} does not divide into them: use a multiple of "
+            f"{2 * context}."
+        )
     if strategy in _MODEL_PARALLEL:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
