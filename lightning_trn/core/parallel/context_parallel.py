@@ -244,11 +244,12 @@ class ContextParallel:
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
         """Around the backward of the last `step`: activation checkpointing recomputes attention there, which must
-        see the split sequence as the forward did (the same layout and mask)."""
-        if self._layout is None:
+        see the split sequence as the forward did (the same layout and mask). The layout is dropped afterwards."""
+        layout, self._layout = self._layout, None  # its mask is not held into the next step
+        if layout is None:
             yield
             return
-        with _SplitAttention(self._layout):
+        with _SplitAttention(layout):
             yield
 
     @contextlib.contextmanager
