@@ -59,6 +59,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp4": {"world": 4, "cp": 4},
     "cp_fsdp2": {"world": 4, "dp": 2, "cp": 2},
     "cp_tp": {"world": 4, "cp": 2, "tp": 2},
+    "cp_hsdp": {"world": 4, "replicate": 2, "cp": 2},
 }
 #: the context-parallel layouts: each sequence split over the context ranks
 CONTEXT_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if layout.get("cp", 1) > 1)
