@@ -13,7 +13,9 @@ node's devices and the model's heads, with and without activation checkpointing,
 (`data.batch_size`): a table of the largest micro-batch that fits per layout; exit 0 if any fits. Each try is a
 whole simulation (minutes at a preset's size), so three options narrow the search, each a comma-separated list:
 `--tensor-parallel=4,8` (of those sizes), `--checkpointing=false` and `--micro-batches=2,4` (tried smallest first,
-as the default 1, 2, 4, ... 64; the table's largest is then the largest of these that fits).
+as the default 1, 2, 4, ... 64; the table's largest is then the largest of these that fits); and
+`--context-parallel=4,8,16` tries those context-parallel sizes (each sequence split over them; default: the job's
+`model.context_parallel_size`), where the world and `data.seq_len` divide by them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 #: `--plan`'s options that narrow its search, each a comma-separated list
-PLAN_OPTIONS = ("--tensor-parallel=", "--checkpointing=", "--micro-batches=")
+PLAN_OPTIONS = ("--tensor-parallel=", "--checkpointing=", "--micro-batches=", "--context-parallel=")
 #: the largest micro-batch `--micro-batches=` accepts
 MAX_MICRO_BATCH = 1024
 
@@ -36,6 +38,8 @@ def recipe_batch(recipe: Any, cfg: Any) -> Any:
 
     if recipe.name == "llm":
         ids = torch.empty(cfg.data.batch_size, cfg.data.seq_len, dtype=torch.long, device="meta")
+        if cfg.data.get("packing", False):  # packed documents: the mask is built per sequence from these
+            return {"input_ids": ids, "labels": ids, "position_ids": ids}
         return {"input_ids": ids, "labels": ids}
     data = recipe.build_data(cfg)
     data.prepare_data()
@@ -128,10 +132,17 @@ def _plan(recipe: Any, overrides: list[str], cfg: Any, platform: str | None, opt
     sizes = _option(options, "--tensor-parallel", divisors, divisors)
     checkpointing = _option(options, "--checkpointing", (False, True), (False, True))
     micro_batches = _option(options, "--micro-batches", MICRO_BATCHES, range(1, MAX_MICRO_BATCH + 1))
+    world, given = devices * int(cfg.trainer.get("num_nodes", 1)), int(cfg.model.get("context_parallel_size", 1))
+    contexts = _option(options, "--context-parallel", [given], range(1, MAX_MICRO_BATCH + 1))
+    # each sequence splits into 2 x context chunks; the mesh needs tensor x context to divide the world
+    contexts = [size for size in contexts if cfg.data.seq_len % (2 * size) == 0 or size == 1]
+    shapes = [(tp, cp) for cp in contexts for tp in sizes if world % (tp * cp) == 0]
 
-    def job(size: int, checkpointing: bool, micro_batch: int) -> tuple[Any, Any, dict[str, Any]]:
+    def job(shape: tuple[int, int], checkpointing: bool, micro_batch: int) -> tuple[Any, Any, dict[str, Any]]:
+        size, context = shape
         layout = [
             f"model.tensor_parallel_size={size}",
+            f"model.context_parallel_size={context}",
             f"model.activation_checkpointing={str(checkpointing).lower()}",
             f"data.batch_size={micro_batch}",
             "data.global_batch_size=null",  # the plan varies the batch per rank; a preset fixes the global one
@@ -147,7 +158,7 @@ def _plan(recipe: Any, overrides: list[str], cfg: Any, platform: str | None, opt
         return module_factory, recipe_batch(recipe, each), trainer_args
 
     try:
-        layouts = plan(job, sizes, checkpointing, micro_batches, platform=platform, caller=RECIPE)
+        layouts = plan(job, shapes, checkpointing, micro_batches, platform=platform, caller=RECIPE)
     except EstimateError as err:
         print(err, file=sys.stderr)
         return 2

@@ -262,3 +262,14 @@ def test_cli_simulates_every_kind_of_stage_of_pipeline_x_tensor_parallel(tmp_pat
     assert any(line.startswith("pipeline: 1F1B, 4 pipeline ranks, 4 microbatches: bubble") for line in lines)
     stages = [line.split("|")[1].strip() for line in lines if re.match(r"^\s+\d+ \|\s+\d", line)]
     assert stages == ["0 (first)", "1 (middle)", "3 (last)"]
+
+
+def test_cli_plan_tries_context_parallel_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--context-parallel=1,2`: each size a layout of its own, in a column of its own; splitting each 2,048-token
+    sequence over 2 ranks halves what the rank holds of it (here mostly the 262,144-wide logits), so it needs less."""
+    job = [*PLAN_JOB, "--tensor-parallel=1", "--checkpointing=true", "--micro-batches=1", "--context-parallel=1,2"]
+    assert main(["llm", *job]) == 0
+    rows, lines = _plan_rows(capsys)
+    assert lines[0].split("|")[0].strip() == "context parallel"
+    needed = {row[0]: float(row[4].split()[0]) for row in rows}
+    assert sorted(needed) == ["1", "2"] and needed["2"] < needed["1"]
