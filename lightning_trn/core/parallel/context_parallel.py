@@ -4,7 +4,7 @@ the split, and the loss reduced over it (TorchTitan's context-parallel dimension
 What runs, and why this variant: torch's `context_parallel()` runs ring attention by replacing SDPA's kernels with
 DTensor sharding rules, and on the CPU stand-in SDPA dispatches to a CPU flash kernel that has no such rule (nor does
 torch's ring accept a document mask except through FlexAttention, which needs Inductor). So each rank's keys and
-values are all-gathered over the context ranks (`all_gather_tensor_autograd`, whose backward is a reduce-scatter:
+values are all-gathered over the context ranks (`all_gather_single_autograd`, whose backward is a reduce-scatter:
 two collectives TorchNeuron documents, no send/recv) and its queries attend to all of them with SDPA under one boolean
 mask: causal by position in the block, and documents of a packed block kept apart. That is Llama 3's
 "all-gather context parallelism", chosen there for document masks too. Cost: each rank holds the whole sequence's
@@ -157,12 +157,9 @@ def token_mean(total: Tensor, count: Tensor) -> Tensor:
     layout = current()
     if layout is None:
         return total / count
-    import torch.distributed as dist
-
-    sums = torch.stack([total.detach(), count.detach().to(total.dtype)])
-    dist.all_reduce(sums, group=layout.group)
-    own = total * layout.size / sums[1]
-    return own + (sums[0] / sums[1] - own).detach()
+    whole, tokens = _whole_sequences(layout, total, count)
+    own = total * layout.size / tokens
+    return own + (whole / tokens - own).detach()
 
 
 def sequence_sums(total: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
@@ -171,11 +168,18 @@ def sequence_sums(total: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
     layout = current()
     if layout is None:
         return total, count
+    whole, tokens = _whole_sequences(layout, total, count)
+    return whole, tokens.to(count.dtype)
+
+
+def _whole_sequences(layout: SequenceLayout, total: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+    """The summed token losses and token count (in `total`'s dtype) over the context ranks, without gradient: one
+    all-reduce of the two numbers."""
     import torch.distributed as dist
 
     sums = torch.stack([total.detach(), count.detach().to(total.dtype)])
     dist.all_reduce(sums, group=layout.group)
-    return sums[0], sums[1].to(count.dtype)
+    return sums[0], sums[1]
 
 
 class ContextParallel:

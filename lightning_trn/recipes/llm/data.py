@@ -14,14 +14,12 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerFast
 from typing_extensions import override
 
+from lightning_trn.core.parallel.context_parallel import IGNORE_INDEX  # the label the loss skips (torch's)
 from lightning_trn.recipes.data_sources import load_rotten_tomatoes
 from lightning_trn.recipes.tensor_datamodule import evaluation_multiple, shuffled_split
 
 #: special tokens of the run-time tokenizer; trained first, so their ids are 0, 1, 2 whatever the data
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
-#: the label the loss skips: padding rows that fill the last evaluation batch; for fine-tuning rows (`sft.py`) also
-#: the prompt, the chat template and the padding
-IGNORE_INDEX = -100
 
 
 def load_documents(source: str) -> list[str]:
@@ -110,6 +108,19 @@ def unigram_perplexity(train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vo
     return math.exp(-log_probs[eval_blocks[:, 1:].flatten()].mean().item())
 
 
+def padded_rows(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """`batch` with unlabelled padding rows appended up to `rows` (`pad_id` tokens; positions from 0 where the batch
+    has position ids: a document of its own)."""
+    pad, length = rows - len(batch["input_ids"]), batch["input_ids"].shape[1]
+    padded = {
+        "input_ids": torch.cat([batch["input_ids"], torch.full((pad, length), pad_id)]),
+        "labels": torch.cat([batch["labels"], torch.full((pad, length), IGNORE_INDEX)]),
+    }
+    if "position_ids" in batch:  # packed documents or rows
+        padded["position_ids"] = torch.cat([batch["position_ids"], torch.arange(length).expand(pad, -1)])
+    return padded
+
+
 class _BlockDataset(Dataset):
     def __init__(self, columns: dict[str, torch.Tensor]) -> None:
         self.columns = columns
@@ -166,14 +177,14 @@ class LMDataModule(pl.LightningDataModule):
         )
 
     def _columns(self, split: str, pad: int = 0) -> dict[str, torch.Tensor]:
-        """A split's batch columns, with `pad` unlabelled rows appended."""
+        """A split's batch columns, with `pad` unlabelled rows appended (`padded_rows`)."""
         blocks = self.splits[split]
-        input_ids = torch.cat([blocks, torch.full((pad, blocks.shape[1]), self.tokenizer.pad_token_id)])
-        labels = torch.cat([blocks, torch.full((pad, blocks.shape[1]), IGNORE_INDEX)])
         if self.positions is None:
-            return {"input_ids": input_ids, "labels": labels}
-        position_ids = torch.cat([self.positions[split], torch.arange(blocks.shape[1]).expand(pad, -1)])
-        return {"input_ids": input_ids, "labels": packed_labels(labels, position_ids), "position_ids": position_ids}
+            columns = {"input_ids": blocks, "labels": blocks}
+        else:
+            positions = self.positions[split]
+            columns = {"input_ids": blocks, "labels": packed_labels(blocks, positions), "position_ids": positions}
+        return padded_rows(columns, len(blocks) + pad, self.tokenizer.pad_token_id)
 
     def _eval_loader(self, split: str) -> DataLoader:
         pad = -len(self.splits[split]) % evaluation_multiple(self, self.batch_size)

@@ -76,9 +76,15 @@ def causal_mask(seq_len: int, attn_implementation: str, dtype: torch.dtype, devi
     (True = attend); eager attention adds the mask to the scores, so there it is 0 / the dtype's minimum.
     """
     keep = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    return _as_attention_mask(keep, attn_implementation, dtype)
+
+
+def _as_attention_mask(keep: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the attention takes it: SDPA the booleans, eager attention a mask it adds to
+    the scores (0 / the dtype's minimum)."""
     if attn_implementation != "eager":
         return keep
-    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, torch.finfo(dtype).min)
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def packed_mask(position_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
@@ -86,10 +92,7 @@ def packed_mask(position_ids: torch.Tensor, attn_implementation: str, dtype: tor
     the documents read off the position ids (`document_mask`); booleans for SDPA, additive for eager attention.
     Under context parallelism the attention replaces it by the whole sequence's (`ContextParallel`)."""
     seq = torch.arange(position_ids.shape[1], device=position_ids.device)
-    keep = document_mask(document_ids(position_ids), seq, seq)
-    if attn_implementation != "eager":
-        return keep
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+    return _as_attention_mask(document_mask(document_ids(position_ids), seq, seq), attn_implementation, dtype)
 
 
 def causal_lm_logits(

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_trn.recipes.llm.data import IGNORE_INDEX
+from lightning_trn.recipes.llm.data import IGNORE_INDEX, padded_rows
 from lightning_trn.recipes.tensor_datamodule import evaluation_multiple, shuffled_split
 
 
@@ -116,7 +116,7 @@ def bucket_batches(
             rows = rows[torch.randperm(len(rows), generator=generator)]
             rows = rows[: len(rows) - len(rows) % batch_size]
         batches += [
-            _padded(
+            padded_rows(
                 {key: value[rows[start : start + batch_size], :length] for key, value in split.items()},
                 batch_size,
                 pad_id,
@@ -124,18 +124,6 @@ def bucket_batches(
             for start in range(0, len(rows), batch_size)
         ]
     return batches
-
-
-def _padded(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """`batch` with unlabelled padding rows appended up to `rows`."""
-    pad, length = rows - len(batch["input_ids"]), batch["input_ids"].shape[1]
-    padded = {
-        "input_ids": torch.cat([batch["input_ids"], torch.full((pad, length), pad_id)]),
-        "labels": torch.cat([batch["labels"], torch.full((pad, length), IGNORE_INDEX)]),
-    }
-    if "position_ids" in batch:  # packed rows (`packed_blocks`)
-        padded["position_ids"] = torch.cat([batch["position_ids"], torch.arange(length).expand(pad, -1)])
-    return padded
 
 
 def _cut_rows(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int) -> Iterator[tuple[list[int], list[int]]]:
@@ -265,10 +253,12 @@ class SFTDataModule(pl.LightningDataModule):
         if self.buckets:  # whole batches, with unlabelled ones up to a multiple of the ranks (`evaluation_multiple`)
             batches = bucket_batches(split, self.buckets, self.batch_size, self.pad_id)
             empty = {key: value[:0] for key, value in batches[0].items()}
-            batches += [_padded(empty, self.batch_size, self.pad_id)] * (-len(batches) % evaluation_multiple(self, 1))
+            batches += [padded_rows(empty, self.batch_size, self.pad_id)] * (
+                -len(batches) % evaluation_multiple(self, 1)
+            )
             return DataLoader(batches, batch_size=None)  # type: ignore[arg-type]  # a list is a map-style dataset
         rows = len(split["input_ids"])
-        padded = _padded(split, rows - rows % -evaluation_multiple(self, self.batch_size), self.pad_id)
+        padded = padded_rows(split, rows - rows % -evaluation_multiple(self, self.batch_size), self.pad_id)
         return DataLoader(_Rows(padded), batch_size=self.batch_size)
 
     @override
